@@ -1,0 +1,15 @@
+"""Adapters: read PEFT LoRA adapters and pack them into the fixed-slot pool the kernels read."""
+
+from fxlora.adapters.peft_format import LoraAdapter, LoraFactors, read_adapter
+from fxlora.adapters.pool import NO_ADAPTER, AdapterPool, ModuleInfo, PoolTarget, model_modules
+
+__all__ = [
+    "NO_ADAPTER",
+    "AdapterPool",
+    "LoraAdapter",
+    "LoraFactors",
+    "ModuleInfo",
+    "PoolTarget",
+    "model_modules",
+    "read_adapter",
+]

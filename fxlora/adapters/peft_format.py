@@ -1,0 +1,226 @@
+"""Read PEFT LoRA adapters into per-module factors with their scaling resolved.
+
+An adapter comes from a saved PEFT directory (``adapter_config.json`` plus
+``adapter_model.safetensors`` or ``adapter_model.bin``) or from memory as a config and a
+state dict. Everything that can be checked without the model is checked here: the files,
+the PEFT type, unsupported features, tensor names, ranks and finite values. Fitting the
+factors to the model's modules is the pool's job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import torch
+from peft import LoraConfig, PeftConfig
+from peft.tuners.tuners_utils import check_target_module_exists
+from peft.utils.other import get_pattern_key
+
+from fxlora.errors import AdapterError
+
+# Config fields whose truthy value asks for something other than plain LoRA.
+UNSUPPORTED_FEATURES = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "LoRA bias (lora_bias)",
+    "modules_to_save": "modules_to_save",
+    "trainable_token_indices": "trainable tokens (trainable_token_indices)",
+    "layer_replication": "layer_replication",
+    "use_qalora": "QA-LoRA (use_qalora)",
+    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "velora_config": "VeLoRA (velora_config)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+    "kasa_config": "KaSA (kasa_config)",
+    "megatron_config": "Megatron parallel layers (megatron_config)",
+    "target_parameters": "target_parameters (LoRA on parameters such as MoE experts)",
+}
+
+_PREFIX = "base_model.model."
+# `<module>.lora_A.weight`, also with an adapter name before `.weight` as in a PeftModel's
+# own state_dict(); embeddings store bare `lora_embedding_A` / `lora_embedding_B` tensors.
+_FACTOR_KEY = re.compile(
+    r"^(?P<module>.+)\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight|lora_embedding_(?P<eab>[AB])(?:\.[^.]+)?)$"
+)
+_BASE_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.weight$")
+_FEATURE_KEYS = {
+    "lora_magnitude_vector": "DoRA (lora_magnitude_vector)",
+    "lora_B.bias": "LoRA bias (lora_B.bias)",
+    "modules_to_save": "modules_to_save",
+    "trainable_tokens": "trainable tokens",
+}
+
+AdapterSource = Union[str, os.PathLike, tuple, Mapping, "LoraAdapter"]
+
+
+@dataclass(frozen=True)
+class LoraFactors:
+    """One module's LoRA: ``delta = scaling * (x @ a.T) @ b.T``; for an embedding ``x`` is one-hot."""
+
+    kind: Literal["linear", "embedding"]
+    a: torch.Tensor  # (r, in_features); for an embedding (r, num_embeddings)
+    b: torch.Tensor  # (out_features, r); for an embedding (embedding_dim, r)
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A validated LoRA adapter: factors per module FQN (relative to the model PEFT wrapped)."""
+
+    name: str
+    source: str  # the file it came from, or "<memory>"
+    config: LoraConfig
+    modules: dict[str, LoraFactors]
+    base_weights: dict[str, torch.Tensor]  # base weights PEFT saved beside embedding LoRA
+
+    @property
+    def max_rank(self) -> int:
+        return max((f.rank for f in self.modules.values()), default=0)
+
+
+def read_adapter(name: str, source: AdapterSource) -> LoraAdapter:
+    """Read a PEFT LoRA adapter from a directory, a ``(config, state_dict)`` pair, a mapping
+    with ``config`` and ``state_dict`` keys, or an existing :class:`LoraAdapter`."""
+    if isinstance(source, LoraAdapter):
+        return dataclasses.replace(source, name=name)
+    if isinstance(source, (str, os.PathLike)):
+        config_dict, state, where = _read_directory(name, Path(source))
+    elif isinstance(source, tuple) and len(source) == 2:
+        config_dict, state, where = _config_dict(name, source[0]), dict(source[1]), "<memory>"
+    elif isinstance(source, Mapping) and {"config", "state_dict"} <= set(source):
+        config_dict, state, where = _config_dict(name, source["config"]), dict(source["state_dict"]), "<memory>"
+    else:
+        raise AdapterError(
+            f"adapter {name!r}: expected a PEFT adapter directory, a (config, state_dict) pair or "
+            f"{{'config': ..., 'state_dict': ...}}, got {type(source).__name__}"
+        )
+    config = _lora_config(name, where, config_dict)
+    modules, base_weights = _factors(name, where, config, state)
+    if not modules:
+        raise AdapterError(f"adapter {name!r} ({where}): holds no LoRA weights")
+    return LoraAdapter(name, where, config, modules, base_weights)
+
+
+def _read_directory(name: str, path: Path) -> tuple[dict, dict[str, torch.Tensor], str]:
+    if not path.is_dir():
+        raise AdapterError(f"adapter {name!r}: {path} is not a directory")
+    config_file = path / "adapter_config.json"
+    try:
+        config_dict = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise AdapterError(f"adapter {name!r}: missing {config_file}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"adapter {name!r}: cannot read {config_file}: {e}") from None
+    if not isinstance(config_dict, dict):
+        raise AdapterError(f"adapter {name!r}: {config_file} does not hold a JSON object")
+    safetensors_file, bin_file = path / "adapter_model.safetensors", path / "adapter_model.bin"
+    if safetensors_file.exists():
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(safetensors_file)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise AdapterError(f"adapter {name!r}: cannot read {safetensors_file}: {e}") from None
+        return config_dict, state, str(safetensors_file)
+    if bin_file.exists():
+        try:
+            state = torch.load(bin_file, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch.load raises many types for a bad file; all mean the same here
+            raise AdapterError(f"adapter {name!r}: cannot read {bin_file}: {e}") from None
+        if not isinstance(state, dict):
+            raise AdapterError(f"adapter {name!r}: {bin_file} does not hold a state dict")
+        return config_dict, state, str(bin_file)
+    raise AdapterError(f"adapter {name!r}: missing weights: neither {safetensors_file} nor {bin_file} exists")
+
+
+def _config_dict(name: str, config: Any) -> dict:
+    if isinstance(config, PeftConfig):
+        return config.to_dict()
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise AdapterError(f"adapter {name!r}: config must be a peft.LoraConfig or a dict, got {type(config).__name__}")
+
+
+def _lora_config(name: str, where: str, config_dict: dict) -> LoraConfig:
+    peft_type = str(config_dict.get("peft_type", "LORA")).upper().removeprefix("PEFTTYPE.")
+    if peft_type != "LORA":
+        raise AdapterError(f"adapter {name!r} ({where}): unsupported PEFT type {peft_type}: only LORA is supported")
+    for key, feature in UNSUPPORTED_FEATURES.items():
+        if config_dict.get(key):
+            raise AdapterError(f"adapter {name!r} ({where}): unsupported PEFT feature: {feature}")
+    if config_dict.get("bias", "none") != "none":
+        raise AdapterError(f"adapter {name!r} ({where}): unsupported PEFT feature: trained biases (bias={config_dict['bias']!r})")
+    known = {f.name for f in dataclasses.fields(LoraConfig)}
+    kwargs = {k: v for k, v in config_dict.items() if k in known and k not in ("peft_type", "runtime_config")}
+    try:
+        return LoraConfig(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise AdapterError(f"adapter {name!r} ({where}): invalid LoRA config: {e}") from None
+
+
+def _factors(
+    name: str, where: str, config: LoraConfig, state: dict[str, torch.Tensor]
+) -> tuple[dict[str, LoraFactors], dict[str, torch.Tensor]]:
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    kinds: dict[str, str] = {}
+    base_weights: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        key = key.removeprefix(_PREFIX)
+        for marker, feature in _FEATURE_KEYS.items():
+            if marker in key:
+                raise AdapterError(f"adapter {name!r} ({where}): unsupported PEFT feature: {feature} in tensor {key!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise AdapterError(f"adapter {name!r} ({where}): entry {key!r} is not a tensor")
+        if (m := _BASE_KEY.match(key)) is not None:
+            base_weights[m["module"]] = tensor
+            continue
+        m = _FACTOR_KEY.match(key)
+        if m is None:
+            raise AdapterError(f"adapter {name!r} ({where}): unrecognised tensor {key!r}")
+        module, ab = m["module"], m["ab"] or m["eab"]
+        kinds[module] = "linear" if m["ab"] else "embedding"
+        halves.setdefault(module, {})[ab] = tensor
+        if not torch.isfinite(tensor).all():
+            raise AdapterError(f"adapter {name!r} ({where}): tensor {key!r} holds NaN or Inf values")
+
+    all_linear = isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"
+    modules: dict[str, LoraFactors] = {}
+    for module, ab in halves.items():
+        if set(ab) != {"A", "B"}:
+            missing = "A" if "A" not in ab else "B"
+            raise AdapterError(f"adapter {name!r} ({where}): module {module!r} lacks its lora_{missing} tensor")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise AdapterError(
+                f"adapter {name!r} ({where}): module {module!r} has lora_A {tuple(a.shape)} and lora_B "
+                f"{tuple(b.shape)}, which are not (r, in) and (out, r)"
+            )
+        selected = (all_linear and kinds[module] == "linear") or check_target_module_exists(config, module)
+        if not selected:
+            raise AdapterError(
+                f"adapter {name!r} ({where}): holds weights for module {module!r}, which its "
+                "target_modules / exclude_modules / layers_to_transform do not select"
+            )
+        r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
+        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+        if a.shape[0] != r:
+            raise AdapterError(
+                f"adapter {name!r} ({where}): module {module!r} has rank {a.shape[0]} (lora_A {tuple(a.shape)}) "
+                f"but its config gives r={r}"
+            )
+        scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
+        modules[module] = LoraFactors(kinds[module], a, b, scaling)
+    return modules, base_weights

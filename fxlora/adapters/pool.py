@@ -1,0 +1,229 @@
+"""The adapter pool: every LoRA target's factors stacked into fixed slots.
+
+For each target module the pool holds ``lora_a[slots, max_rank, in]``,
+``lora_b[slots, out, max_rank]``, a float32 ``scaling[slots]`` and an int32 ``rank[slots]``,
+allocated once. A slot whose adapter does not touch the module has rank 0 and scaling 0;
+ranks below ``max_rank`` are zero-padded. Slot id ``-1`` means "no adapter". Loading copies
+into a free slot in place, so the tensors keep their addresses: compiled graphs read them
+directly and never need a retrace or recapture.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from peft import LoraConfig
+from peft.tuners.tuners_utils import check_target_module_exists
+
+from fxlora.adapters.peft_format import LoraAdapter
+from fxlora.errors import AdapterError
+
+log = logging.getLogger(__name__)
+
+NO_ADAPTER = -1
+
+
+@dataclass(frozen=True, eq=False)
+class ModuleInfo:
+    """What the pool needs to know of a module that may carry LoRA."""
+
+    kind: Literal["linear", "embedding"]
+    in_features: int  # for an embedding: num_embeddings
+    out_features: int  # for an embedding: embedding_dim
+    dtype: torch.dtype
+    device: torch.device
+    weight: torch.Tensor | None = field(default=None, repr=False)
+
+    @staticmethod
+    def of(module: torch.nn.Module) -> ModuleInfo | None:
+        if isinstance(module, torch.nn.Linear):
+            return ModuleInfo("linear", module.in_features, module.out_features, module.weight.dtype, module.weight.device, module.weight)
+        if isinstance(module, torch.nn.Embedding):
+            return ModuleInfo("embedding", module.num_embeddings, module.embedding_dim, module.weight.dtype, module.weight.device, module.weight)
+        return None
+
+
+def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
+    """Every linear and embedding module of ``model`` by FQN."""
+    return {name: info for name, m in model.named_modules() if (info := ModuleInfo.of(m)) is not None}
+
+
+class PoolTarget:
+    """The stacked LoRA factors of one module."""
+
+    def __init__(self, fqn: str, info: ModuleInfo, slots: int, max_rank: int):
+        self.fqn, self.info = fqn, info
+        kw = dict(dtype=info.dtype, device=info.device)
+        self.lora_a = torch.zeros(slots, max_rank, info.in_features, **kw)
+        self.lora_b = torch.zeros(slots, info.out_features, max_rank, **kw)
+        self.scaling = torch.zeros(slots, dtype=torch.float32, device=info.device)
+        self.rank = torch.zeros(slots, dtype=torch.int32, device=info.device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.lora_a, self.lora_b, self.scaling, self.rank))
+
+    @torch.no_grad()
+    def write(self, slot: int, adapter: LoraAdapter | None) -> None:
+        factors = adapter.modules.get(self.fqn) if adapter is not None else None
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if factors is None:
+            self.scaling[slot], self.rank[slot] = 0.0, 0
+            return
+        r = factors.rank
+        self.lora_a[slot, :r].copy_(factors.a)
+        self.lora_b[slot, :, :r].copy_(factors.b)
+        self.scaling[slot], self.rank[slot] = factors.scaling, r
+
+
+class AdapterPool:
+    """Fixed slots of LoRA factors for a set of target modules.
+
+    ``targets`` decides which modules get pool space: modules of the initially loaded
+    adapters, plus those matching ``target_modules`` (PEFT matching rules, ``"all-linear"``
+    included). A module's status is fixed once it is registered, since compiled graphs
+    are built from it. When the module table is complete (built from the model) every
+    adapter is checked against it on load; otherwise (a graph at a time, as under
+    ``torch.compile``) modules are checked as graphs bring them in.
+    """
+
+    def __init__(
+        self,
+        max_loras: int = 8,
+        max_rank: int = 64,
+        target_modules: str | list[str] | None = None,
+        output_embedding: str | None = "lm_head",
+    ):
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras and max_rank must be positive, got {max_loras} and {max_rank}")
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self._patterns = LoraConfig(target_modules=target_modules) if target_modules else None
+        self._all_linear = isinstance(target_modules, str) and target_modules.lower() == "all-linear"
+        self._output_embedding = output_embedding  # "all-linear" leaves it out, as PEFT does
+        self.modules: dict[str, ModuleInfo] = {}
+        self.targets: dict[str, PoolTarget] = {}
+        self.complete = False
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.slot_of: dict[str, int] = {}
+
+    # -- modules -------------------------------------------------------------------------
+    def register_modules(self, modules: dict[str, ModuleInfo], complete: bool = False) -> None:
+        """Add modules to the table and allot pool space to those that are wanted.
+
+        Checks every loaded adapter against the new modules before changing anything."""
+        new = {fqn: info for fqn, info in modules.items() if fqn not in self.modules}
+        for adapter in self.adapters.values():
+            for fqn in adapter.modules.keys() & new.keys():
+                self._check_module(adapter, fqn, new[fqn])
+            if complete:
+                self._check_exists(adapter, self.modules.keys() | new.keys())
+        self.modules.update(new)
+        self.complete = self.complete or complete
+        for fqn, info in new.items():
+            users = [a for a in self.adapters.values() if fqn in a.modules]
+            if users or self._wanted(fqn, info):
+                self.targets[fqn] = target = PoolTarget(fqn, info, self.max_loras, self.max_rank)
+                for adapter in users:
+                    target.write(self.slot_of[adapter.name], adapter)
+
+    def _wanted(self, fqn: str, info: ModuleInfo) -> bool:
+        if self._patterns is None:
+            return False
+        if self._all_linear:
+            return info.kind == "linear" and fqn != self._output_embedding
+        return bool(check_target_module_exists(self._patterns, fqn))
+
+    def _check_exists(self, adapter: LoraAdapter, modules: Iterable[str]) -> None:
+        for fqn in adapter.modules.keys() - modules:
+            raise AdapterError(
+                f"adapter {adapter.name!r} ({adapter.source}): targets module {fqn!r}, which the model lacks "
+                "(or which is not an nn.Linear / nn.Embedding)"
+            )
+
+    def _check_module(self, adapter: LoraAdapter, fqn: str, info: ModuleInfo) -> None:
+        f = adapter.modules[fqn]
+        where = f"adapter {adapter.name!r} ({adapter.source}): module {fqn!r}"
+        if f.kind != info.kind:
+            raise AdapterError(f"{where}: the adapter has {f.kind} LoRA but the model's module is an {info.kind}")
+        want_a, want_b = (f.rank, info.in_features), (info.out_features, f.rank)
+        if tuple(f.a.shape) != want_a or tuple(f.b.shape) != want_b:
+            raise AdapterError(
+                f"{where}: shape mismatch: lora_A {tuple(f.a.shape)} and lora_B {tuple(f.b.shape)} do not fit the "
+                f"model's {info.kind} ({info.in_features} -> {info.out_features}), which needs {want_a} and {want_b}"
+            )
+        base = adapter.base_weights.get(fqn)
+        if base is not None and info.weight is not None:
+            if base.shape != info.weight.shape or not torch.equal(base.to(info.weight), info.weight):
+                raise AdapterError(
+                    f"{where}: the adapter carries its own base weights {tuple(base.shape)} that differ from the "
+                    f"model's {tuple(info.weight.shape)}: replacing base weights is not supported"
+                )
+
+    # -- adapters ------------------------------------------------------------------------
+    def load(self, adapter: LoraAdapter) -> int:
+        """Copy ``adapter`` into a free slot; checks everything before writing anything."""
+        name = adapter.name
+        if name in self.adapters:
+            raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
+        free = [s for s in range(self.max_loras) if s not in self.slot_of.values()]
+        if not free:
+            raise AdapterError(
+                f"adapter {name!r}: no free slot: all max_loras={self.max_loras} slots hold {sorted(self.adapters)}"
+            )
+        if adapter.max_rank > self.max_rank:
+            worst = max(adapter.modules, key=lambda m: adapter.modules[m].rank)
+            raise AdapterError(
+                f"adapter {name!r} ({adapter.source}): rank {adapter.max_rank} of module {worst!r} exceeds max_rank={self.max_rank}"
+            )
+        if self.complete:
+            self._check_exists(adapter, self.modules)
+        for fqn in adapter.modules:
+            if fqn in self.modules:
+                self._check_module(adapter, fqn, self.modules[fqn])
+                if fqn not in self.targets:
+                    raise AdapterError(
+                        f"adapter {name!r} ({adapter.source}): module {fqn!r} was not compiled as a LoRA target; "
+                        "name it in target_modules when compiling"
+                    )
+        slot = free[0]
+        for target in self.targets.values():
+            target.write(slot, adapter)
+        self.adapters[name], self.slot_of[name] = adapter, slot
+        log.info("loaded adapter %r into slot %d", name, slot)
+        return slot
+
+    def unload(self, name: str) -> None:
+        if name not in self.adapters:
+            raise AdapterError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+        slot = self.slot_of.pop(name)
+        del self.adapters[name]
+        for target in self.targets.values():
+            target.write(slot, None)
+        log.info("unloaded adapter %r from slot %d", name, slot)
+
+    def slot_ids(self, adapter_names: Sequence[str | None]) -> list[int]:
+        """Per-row slot ids; ``None`` rows get :data:`NO_ADAPTER`."""
+        slots = []
+        for name in adapter_names:
+            if name is None:
+                slots.append(NO_ADAPTER)
+            elif name in self.slot_of:
+                slots.append(self.slot_of[name])
+            else:
+                raise AdapterError(f"unknown adapter {name!r} in adapter_names; loaded: {sorted(self.adapters)}")
+        return slots
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.targets.values())
+
+    def describe(self) -> Iterable[str]:
+        yield f"adapter pool: {len(self.targets)} target modules, {self.max_loras} slots, max_rank {self.max_rank}, {self.nbytes / 2**20:.1f} MiB"
+        for name, slot in sorted(self.slot_of.items(), key=lambda kv: kv[1]):
+            a = self.adapters[name]
+            yield f"  slot {slot}: {name!r} from {a.source}: {len(a.modules)} modules, rank <= {a.max_rank}"

@@ -1,0 +1,142 @@
+"""``fxlora.compile``: a user's model and PEFT adapters in, a multi-adapter model out.
+
+``compile`` reads the adapters, checks them against every module of the model, packs them
+into an :class:`AdapterPool`, and compiles the model with ``torch.compile`` and the fxlora
+backend. The :class:`CompiledModel` it returns takes ``adapter_names`` (one per row) on
+every call, and loads or unloads adapters into pool slots without retracing.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fxlora.adapters import AdapterPool, model_modules, read_adapter
+from fxlora.adapters.peft_format import AdapterSource
+from fxlora.errors import AdapterError
+from fxlora.runtime import Backend, use_adapters
+
+log = logging.getLogger(__name__)
+
+
+class CompiledModel(torch.nn.Module):
+    """A model compiled for mixed batches of LoRA adapters.
+
+    Call it as the model, plus ``adapter_names=[...]``: one entry per row, an adapter name
+    or ``None`` for the base model. It returns what the model returns.
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: Backend, compiled: Any):
+        super().__init__()
+        self.model = model
+        self._backend = backend
+        object.__setattr__(self, "_compiled", compiled)  # not a submodule: it wraps `model`
+
+    @property
+    def pool(self) -> AdapterPool:
+        return self._backend.pool
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """Names of the adapters loaded now, in slot order."""
+        return sorted(self.pool.slot_of, key=self.pool.slot_of.__getitem__)
+
+    def forward(self, *args: Any, adapter_names: Sequence[str | None] | None = None, **kwargs: Any) -> Any:
+        if adapter_names is not None:
+            adapter_names = list(adapter_names)
+            rows = _batch_rows(args, kwargs)
+            if rows is not None and len(adapter_names) != rows:
+                raise AdapterError(f"adapter_names has {len(adapter_names)} entries but the batch has {rows} rows")
+            self.pool.slot_ids(adapter_names)  # unknown names fail here, before any work
+        with use_adapters(adapter_names):
+            return self._compiled(*args, **kwargs)
+
+    def load_adapter(self, name: str, source: AdapterSource) -> None:
+        """Load an adapter into a free slot: graphs are not retraced. On any error nothing
+        changes."""
+        self.pool.load(read_adapter(name, source))
+
+    def unload_adapter(self, name: str) -> None:
+        self.pool.unload(name)
+
+    def explain(self) -> str:
+        """What was rewritten, what was skipped and why."""
+        lines = list(self._backend.explain())
+        if not self._backend.routers:
+            lines.append("no graph compiled yet: call the model once to trace it")
+        return "\n".join(lines)
+
+
+def _batch_rows(args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+    for key in ("input_ids", "inputs_embeds"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return kwargs[key].shape[0]
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0].shape[0]
+    return None
+
+
+def compile(
+    model: torch.nn.Module,
+    adapters: Mapping[str, AdapterSource] | None = None,
+    *,
+    max_loras: int = 8,
+    max_rank: int = 64,
+    target_modules: str | list[str] | None = None,
+    dynamic: bool | None = None,
+    fullgraph: bool = False,
+) -> CompiledModel:
+    """Compile ``model`` to serve mixed batches of LoRA adapters.
+
+    ``adapters`` maps names to PEFT adapter directories, ``(config, state_dict)`` pairs or
+    ``{"config": ..., "state_dict": ...}`` mappings. A ``peft.PeftModel`` brings its own
+    adapters and base model. ``target_modules`` (PEFT syntax, ``"all-linear"`` included)
+    reserves pool space for adapters loaded later; by default the modules of the given
+    adapters are the targets, or every linear layer but the output head when none are given.
+    The model itself is not modified.
+    """
+    adapters = dict(adapters or {})
+    model, from_peft = _unwrap_peft(model)
+    for name, source in from_peft.items():
+        if name in adapters:
+            raise AdapterError(f"adapter {name!r} is given twice: in adapters= and in the PeftModel")
+        adapters[name] = source
+    if target_modules is None and not adapters:
+        target_modules = "all-linear"
+    output_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    pool = AdapterPool(
+        max_loras,
+        max_rank,
+        target_modules,
+        output_embedding=next((n for n, m in model.named_modules() if m is output_head), None),
+    )
+    for name, source in adapters.items():
+        pool.load(read_adapter(name, source))
+    pool.register_modules(model_modules(model), complete=True)
+    backend = Backend(pool)
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+    log.info("fxlora: %d adapters in %d target modules", len(adapters), len(pool.targets))
+    return CompiledModel(model, backend, compiled)
+
+
+def _unwrap_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, AdapterSource]]:
+    """A PeftModel's LoRA adapters, and a copy of its base model without LoRA layers that
+    shares every tensor with it (the PeftModel itself keeps working)."""
+    try:
+        from peft import PeftModel, get_peft_model_state_dict
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return model, {}
+    if not isinstance(model, PeftModel):
+        return model, {}
+    adapters = {
+        name: (config, get_peft_model_state_dict(model, adapter_name=name))
+        for name, config in model.peft_config.items()
+    }
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    clone = copy.deepcopy(model, memo)
+    return clone.unload(), adapters

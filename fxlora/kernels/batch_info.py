@@ -1,0 +1,57 @@
+"""``fxlora::batch_info``: the prologue that turns per-row slot ids into per-token metadata.
+
+Every LoRA op of a graph reads the same metadata, computed once per token layout:
+
+- ``token_slot[T]``: the slot of each token (``-1``: no adapter);
+- ``sorted_tokens[T]``: token indices grouped by slot (stable), no-adapter tokens last;
+- ``seg_start[S]``, ``seg_len[S]``: where each slot's tokens lie in ``sorted_tokens``.
+
+All outputs have shapes fixed by the token count and the number of slots, never by which
+adapters are present, so the prologue can be captured in a CUDA graph and replayed with
+other assignments. Tokens belong to rows in row-major order: a ``(B, S, ...)`` activation
+or its ``(B*S, ...)`` flattening.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fxlora.errors import AdapterError
+
+
+def _token_count(tokens: torch.Tensor, feature_dims: int) -> int:
+    return math.prod(tokens.shape[: tokens.dim() - feature_dims])
+
+
+@torch.library.custom_op("fxlora::batch_info", mutates_args=())
+def batch_info(
+    slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tokens`` is only read for its shape: its leading ``dim - feature_dims`` dims index tokens."""
+    rows, count = slot_ids.numel(), _token_count(tokens, feature_dims)
+    leading = tokens.shape[0] if tokens.dim() - feature_dims >= 2 else None
+    if rows == 0 or count % rows or (leading is not None and leading != rows):
+        found = f"{leading} rows" if leading is not None else f"{count} tokens, which do not split into {rows} rows"
+        raise AdapterError(f"adapter_names has {rows} entries but the batch has {found}")
+    token_slot = slot_ids.to(torch.int32).repeat_interleave(count // rows)
+    key = torch.where(token_slot < 0, num_slots, token_slot).to(torch.int64)
+    sorted_tokens = torch.argsort(key, stable=True).to(torch.int32)
+    counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=slot_ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    seg_len = counts[:num_slots].contiguous()
+    seg_start = (torch.cumsum(seg_len, 0, dtype=torch.int32) - seg_len).contiguous()
+    return token_slot, sorted_tokens, seg_start, seg_len
+
+
+@batch_info.register_fake
+def _(slot_ids, tokens, feature_dims, num_slots):
+    count = _token_count(tokens, feature_dims)
+    i32 = dict(dtype=torch.int32, device=slot_ids.device)
+    return (
+        slot_ids.new_empty(count, **i32),
+        slot_ids.new_empty(count, **i32),
+        slot_ids.new_empty(num_slots, **i32),
+        slot_ids.new_empty(num_slots, **i32),
+    )

@@ -1,0 +1,58 @@
+"""``fxlora::lora_embedding``: an embedding lookup plus each token's own LoRA delta.
+
+``y = F.embedding(ids, weight)``, then for every token ``t`` with slot ``s >= 0``:
+``y[t] += scaling[s] * lora_a[s, :r, ids[t]] @ lora_b[s, :, :r].T`` with ``r = rank[s]``,
+which is PEFT's ``F.embedding(ids, A.T) @ B.T * scaling``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def lora_embedding_delta_reference(
+    y: torch.Tensor,
+    ids: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+    rank: torch.Tensor,
+    token_slot: torch.Tensor,
+) -> None:
+    """Add the delta into ``y`` (``(T, dim)``) for flat ``ids`` (``(T,)``), one slot at a time."""
+    present = torch.unique(token_slot[token_slot >= 0]).tolist()
+    ranks = rank.tolist()
+    for s in present:
+        r = ranks[s]
+        if r == 0:
+            continue
+        idx = (token_slot == s).nonzero().squeeze(1)
+        after_a = F.embedding(ids.index_select(0, idx), lora_a[s, :r].T)
+        delta = after_a @ lora_b[s, :, :r].T
+        y.index_add_(0, idx, (delta * scaling[s].to(delta.dtype)).to(y.dtype))
+
+
+@torch.library.custom_op("fxlora::lora_embedding", mutates_args=())
+def lora_embedding(
+    ids: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+    rank: torch.Tensor,
+    token_slot: torch.Tensor,
+    sorted_tokens: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+) -> torch.Tensor:
+    y = F.embedding(ids, weight)
+    lora_embedding_delta_reference(
+        y.view(-1, y.shape[-1]), ids.reshape(-1), lora_a, lora_b, scaling, rank, token_slot
+    )
+    return y
+
+
+@lora_embedding.register_fake
+def _(ids, weight, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len):
+    return weight.new_empty((*ids.shape, weight.shape[1]))

@@ -1,0 +1,61 @@
+"""``fxlora::lora_linear``: a linear layer plus each token's own LoRA delta.
+
+``y = F.linear(x, weight, bias)``, then for every token ``t`` with slot ``s >= 0``:
+``y[t] += scaling[s] * (x[t] @ lora_a[s, :rank[s]].T) @ lora_b[s, :, :rank[s]].T``.
+The delta is added in place into the base output. Tokens without an adapter, and slots
+that do not touch this module (rank 0), cost nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def lora_delta_reference(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+    rank: torch.Tensor,
+    token_slot: torch.Tensor,
+) -> None:
+    """Add the LoRA delta into ``y`` (``(T, out)``) for ``x`` (``(T, in)``), one slot at a time,
+    with the same operations and order as PEFT. Reads slot ids on the host."""
+    present = torch.unique(token_slot[token_slot >= 0]).tolist()
+    ranks = rank.tolist()
+    for s in present:
+        r = ranks[s]
+        if r == 0:
+            continue
+        idx = (token_slot == s).nonzero().squeeze(1)
+        xs = x.index_select(0, idx).to(lora_a.dtype)
+        delta = (xs @ lora_a[s, :r].T) @ lora_b[s, :, :r].T
+        y.index_add_(0, idx, (delta * scaling[s].to(delta.dtype)).to(y.dtype))
+
+
+@torch.library.custom_op("fxlora::lora_linear", mutates_args=())
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+    rank: torch.Tensor,
+    token_slot: torch.Tensor,
+    sorted_tokens: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+) -> torch.Tensor:
+    y = F.linear(x, weight, bias)
+    lora_delta_reference(
+        y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, token_slot
+    )
+    return y
+
+
+@lora_linear.register_fake
+def _(x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.promote_types(x.dtype, weight.dtype))

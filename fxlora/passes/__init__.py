@@ -1,0 +1,34 @@
+"""The pass pipeline: an ordered list of ``GraphModule -> GraphModule`` passes, then
+``specialize`` into the ``lora`` and ``nolora`` graphs."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.fx as fx
+
+import fxlora.kernels  # noqa: F401  (registers the fxlora:: ops the passes emit)
+from fxlora.passes.annotate import annotate
+from fxlora.passes.batch_info import batch_info
+from fxlora.passes.context import PassContext
+from fxlora.passes.lora_embedding import lora_embedding
+from fxlora.passes.lora_linear import lora_linear
+from fxlora.passes.specialize import specialize
+
+Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+
+PIPELINE: list[Pass] = [annotate, lora_linear, lora_embedding, batch_info]
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule | None, fx.GraphModule]:
+    """Run every pass in order on a copy of ``gm`` (the caller's graph is left as it was),
+    then split into ``(lora, nolora)``."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    gm = fx.GraphModule(gm, graph)
+    for p in PIPELINE:
+        gm = p(gm, ctx)
+    return specialize(gm)
+
+
+__all__ = ["PIPELINE", "PassContext", "run_pipeline", "specialize"]

@@ -1,0 +1,75 @@
+"""annotate: record on every call node the FQN of the module whose forward produced it.
+
+Reads ``nn_module_stack`` (set by Dynamo and torch.export): the innermost entry names the
+module, e.g. ``L['self'].model.layers[0].mlp`` becomes ``model.layers.0.mlp``. A node
+without that metadata but whose weight is a ``get_attr`` of ``<module>.weight`` (as
+``torch.fx.symbolic_trace`` makes) is attributed to ``<module>``. Writes
+``node.meta["fxlora_module"]`` and ``node.meta["fxlora_module_type"]``; changes nothing else
+in the graph. When the pool has not seen the whole model (``torch.compile`` hands over one
+graph at a time), it tells the pool which linear and embedding modules this graph holds.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.fx as fx
+
+import torch
+import torch.nn.functional as F
+
+from fxlora.adapters import ModuleInfo
+from fxlora.passes.context import PassContext
+from fxlora.passes.graph_edit import call_arg
+
+_LINEAR = {torch._C._nn.linear, F.linear, torch.ops.aten.linear.default}
+
+_ROOT = re.compile(r"^L\[['\"](?:self|fn|mod|model)['\"]\]\.?")
+_INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+
+
+def module_fqn(path: str) -> str:
+    """``L['self'].model.layers[0]._modules['mlp']`` -> ``model.layers.0.mlp``."""
+    path = _ROOT.sub("", path)
+    path = _INDEX.sub(r".\1", path).replace("._modules.", ".").lstrip(".")
+    return path.removeprefix("_modules.")
+
+
+def annotate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            path, module_type = list(stack.values())[-1]
+            node.meta["fxlora_module"] = module_fqn(path)
+            node.meta["fxlora_module_type"] = module_type
+            continue
+        weight = node.args[1] if len(node.args) > 1 else None
+        if isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target.endswith(".weight"):
+            node.meta["fxlora_module"] = weight.target.removesuffix(".weight")
+    if not ctx.pool.complete:
+        ctx.pool.register_modules(modules_in_graph(gm))
+    return gm
+
+
+def modules_in_graph(gm: fx.GraphModule) -> dict[str, ModuleInfo]:
+    """Linear and embedding modules called in ``gm``, read off their weights' metadata."""
+    found = {}
+    for node in gm.graph.nodes:
+        fqn = node.meta.get("fxlora_module")
+        if fqn is None or node.op != "call_function":
+            continue
+        if node.target in _LINEAR:
+            kind, weight = "linear", call_arg(node, 1, "weight")
+        elif node.target is F.embedding:
+            kind, weight = "embedding", call_arg(node, 1, "weight")
+        else:
+            continue
+        val = weight.meta.get("val", weight.meta.get("example_value")) if isinstance(weight, fx.Node) else None
+        if val is None or val.dim() != 2:
+            continue
+        rows, cols = val.shape
+        in_f, out_f = (cols, rows) if kind == "linear" else (rows, cols)
+        found[fqn] = ModuleInfo(kind, int(in_f), int(out_f), val.dtype, val.device)
+    return found

@@ -1,0 +1,52 @@
+"""Graph-editing steps the LoRA passes share: wiring in pool tensors, replacing a base call."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from fxlora.adapters import PoolTarget
+
+ADDED = "fxlora_added"  # meta flag on every node a pass inserts; specialize strips them
+BASE_CALL = "fxlora_base"  # meta on a LoRA op: (target, args, kwargs) of the base call it replaced
+
+
+def pool_nodes(gm: fx.GraphModule, target: PoolTarget) -> list[fx.Node]:
+    """``get_attr`` nodes for one target's ``lora_a, lora_b, scaling, rank``; the pool's own
+    tensors become buffers of ``gm``, so in-place adapter loads reach the graph."""
+    stem = "fxlora_" + re.sub(r"\W", "_", target.fqn)
+    nodes = []
+    for field in ("lora_a", "lora_b", "scaling", "rank"):
+        name = f"{stem}_{field}"
+        if not hasattr(gm, name):
+            gm.register_buffer(name, getattr(target, field), persistent=False)
+        node = gm.graph.get_attr(name)
+        node.meta[ADDED] = True
+        nodes.append(node)
+    return nodes
+
+
+def call_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def replace_with(gm: fx.GraphModule, node: fx.Node, op: Callable, args: tuple) -> fx.Node:
+    """Replace ``node`` by ``op(*args)``, remembering the base call for specialize."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(op, args)
+    new.meta.update(node.meta)
+    new.meta[BASE_CALL] = (node.target, node.args, node.kwargs)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return new
+
+
+def meta_shape(node: Any) -> tuple | None:
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("val", node.meta.get("example_value"))
+    return tuple(val.shape) if hasattr(val, "shape") else None

@@ -1,0 +1,52 @@
+"""lora_embedding: targeted ``F.embedding`` calls become ``fxlora::lora_embedding``.
+
+Matches ``F.embedding`` / ``aten.embedding`` nodes of modules the pool targets as
+embeddings (``embed_tokens``) and replaces each with
+``fxlora::lora_embedding(ids, weight, lora_a, lora_b, scaling, rank, *batch_info)``. The delta
+joins the lookup inside the module, so a module that rescales its output (Gemma's scaled
+word embedding) rescales the delta too, as PEFT does. Calls with ``max_norm`` (which
+rewrites the weight) are left alone and reported.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fxlora.passes.batch_info import batch_info_for
+from fxlora.passes.context import PassContext
+from fxlora.passes.graph_edit import call_arg, pool_nodes, replace_with
+
+EMBEDDING = {F.embedding, torch.ops.aten.embedding.default}
+
+
+def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    calls: dict[str, list[fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        fqn = node.meta.get("fxlora_module")
+        if node.op == "call_function" and node.target in EMBEDDING and fqn in ctx.pool.targets:
+            calls[fqn].append(node)
+    for fqn, nodes in calls.items():
+        target = ctx.pool.targets[fqn]
+        if target.info.kind != "embedding":
+            continue
+        if len(nodes) > 1:
+            ctx.note(f"skipped {fqn}: its forward calls embedding {len(nodes)} times")
+            continue
+        node = nodes[0]
+        if node.target is F.embedding and call_arg(node, 3, "max_norm") is not None:
+            ctx.note(f"skipped {fqn}: embedding with max_norm renormalises its weight in place")
+            continue
+        if node.target is F.embedding:
+            ids, weight = call_arg(node, 0, "input"), call_arg(node, 1, "weight")
+        else:  # aten.embedding(weight, indices, ...)
+            weight, ids = call_arg(node, 0, "weight"), call_arg(node, 1, "indices")
+        with gm.graph.inserting_before(node):
+            args = (ids, weight, *pool_nodes(gm, target), *batch_info_for(gm, ctx, ids, feature_dims=0))
+        replace_with(gm, node, torch.ops.fxlora.lora_embedding.default, args)
+        ctx.rewritten[fqn] = "fxlora::lora_embedding"
+    gm.recompile()
+    return gm

@@ -1,0 +1,40 @@
+"""specialize: split the rewritten graph into a ``lora`` and a ``nolora`` graph.
+
+``lora`` is the rewritten graph itself. ``nolora`` is a copy in which every LoRA op is put
+back to the base call it replaced (same target, same arguments) and every node the LoRA
+passes added — the batch-info prologue, pool buffers, the slot-ids placeholder — is
+removed: it is the traced base computation, node for node, so it matches the unmodified
+model bit for bit. A graph without LoRA ops has no ``lora`` variant.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxlora.passes.graph_edit import ADDED, BASE_CALL
+
+LORA_OPS = {torch.ops.fxlora.lora_linear.default, torch.ops.fxlora.lora_embedding.default}
+
+
+def specialize(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, fx.GraphModule]:
+    """Returns ``(lora, nolora)``."""
+    if not any(n.target in LORA_OPS for n in gm.graph.nodes):
+        return None, gm
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    for old, node in copies.items():
+        if node.target in LORA_OPS:
+            target, args, kwargs = old.meta[BASE_CALL]
+            remap = lambda n: copies[n]  # noqa: E731
+            with graph.inserting_before(node):
+                base = graph.call_function(target, fx.map_arg(args, remap), fx.map_arg(kwargs, remap))
+            base.meta = {k: v for k, v in node.meta.items() if k != BASE_CALL}
+            node.replace_all_uses_with(base)
+            graph.erase_node(node)
+    for node in reversed(list(graph.nodes)):
+        if node.meta.get(ADDED):
+            graph.erase_node(node)
+    graph.lint()
+    return gm, fx.GraphModule(gm, graph)  # copies only the attributes the graph still reads

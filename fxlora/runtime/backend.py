@@ -1,0 +1,95 @@
+"""The ``fxlora`` Dynamo backend: run the pass pipeline on each graph Dynamo hands over and
+return a :class:`Router` over its ``lora`` and ``nolora`` variants.
+
+``fxlora.compile`` builds a :class:`Backend` around its own pool; ``torch.compile(...,
+backend="fxlora", options={...})`` reaches :func:`fxlora_backend` through the
+``torch_dynamo_backends`` entry point, which keeps one backend (and pool) per options dict,
+so every graph of one ``torch.compile`` call shares its adapters.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxlora.adapters import AdapterPool, read_adapter
+from fxlora.passes import PassContext, run_pipeline
+from fxlora.runtime.routing import Router
+
+log = logging.getLogger(__name__)
+
+OPTIONS = ("adapters", "max_loras", "max_rank", "target_modules")
+
+
+class Backend:
+    """A Dynamo backend bound to one adapter pool."""
+
+    def __init__(self, pool: AdapterPool):
+        self.pool = pool
+        self.routers: list[Router] = []
+        self.reports: list[list[str]] = []
+        self.rewritten: dict[str, str] = {}  # module FQN -> the LoRA op it became, over all graphs
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Backend:
+        unknown = set(options) - set(OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown fxlora option(s) {sorted(unknown)}; known: {list(OPTIONS)}")
+        adapters = options.get("adapters") or {}
+        pool = AdapterPool(
+            max_loras=options.get("max_loras", 8),
+            max_rank=options.get("max_rank", 64),
+            target_modules=options.get("target_modules"),
+        )
+        for name, source in adapters.items():
+            pool.load(read_adapter(name, source))
+        return cls(pool)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
+        ctx = PassContext(self.pool)
+        lora, nolora = run_pipeline(gm, ctx)
+        devices = {self.pool.targets[fqn].info.device for fqn in ctx.rewritten}
+        device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
+        router = Router(lora, nolora, self.pool, device)
+        kinds = {op: sum(1 for v in ctx.rewritten.values() if v == op) for op in set(ctx.rewritten.values())}
+        summary = ", ".join(f"{n} x {op}" for op, n in sorted(kinds.items())) or "no LoRA ops"
+        ctx.report.insert(0, f"graph {len(self.routers)}: {summary}")
+        self.routers.append(router)
+        self.reports.append(ctx.report)
+        self.rewritten.update(ctx.rewritten)
+        log.info("compiled %s", ctx.report[0])
+        return router
+
+    def explain(self) -> Iterable[str]:
+        yield from self.pool.describe()
+        for report in self.reports:
+            yield from report
+        for fqn in sorted(set(self.pool.targets) - set(self.rewritten)):
+            yield f"skipped {fqn}: targeted, but no traced graph calls it as a plain linear/embedding"
+
+
+def _first_device(example_inputs: list[Any]) -> torch.device:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
+
+
+_BACKENDS: dict[int, tuple[Mapping, Backend]] = {}
+
+
+def fxlora_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None) -> Router:
+    """Entry point for ``torch.compile(model, backend="fxlora", options={...})``."""
+    options = options if options is not None else {}
+    if id(options) not in _BACKENDS:  # the dict is kept alive beside its backend, so ids stay unique
+        _BACKENDS[id(options)] = (options, Backend.from_options(options))
+    return _BACKENDS[id(options)][1](gm, example_inputs)
+
+
+def backend_for_options(options: Mapping[str, Any]) -> Backend | None:
+    entry = _BACKENDS.get(id(options))
+    return entry[1] if entry is not None else None

@@ -1,0 +1,60 @@
+"""Per-call adapter selection and the choice between the ``lora`` and ``nolora`` graphs.
+
+``use_adapters`` sets the adapter names of the rows of the next calls (a context
+variable, so threads and tasks keep their own). A ``Router`` is what a compiled graph
+becomes: on each call it reads those names on the host, runs ``nolora`` when no row has
+an adapter, and otherwise passes the rows' slot ids to ``lora``. Nothing here reads
+device memory, so routing never synchronises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxlora.adapters import AdapterPool
+
+_adapter_names: contextvars.ContextVar[tuple[str | None, ...] | None] = contextvars.ContextVar(
+    "fxlora_adapter_names", default=None
+)
+
+
+@contextlib.contextmanager
+def use_adapters(adapter_names: Sequence[str | None] | None) -> Iterator[None]:
+    """Rows of calls made inside run with these adapters (``None``: the base model)."""
+    token = _adapter_names.set(None if adapter_names is None else tuple(adapter_names))
+    try:
+        yield
+    finally:
+        _adapter_names.reset(token)
+
+
+def current_adapter_names() -> tuple[str | None, ...] | None:
+    return _adapter_names.get()
+
+
+class Router:
+    """Runs one compiled graph's ``lora`` or ``nolora`` variant, as the current names ask."""
+
+    def __init__(self, lora: fx.GraphModule | None, nolora: fx.GraphModule, pool: AdapterPool, device: torch.device):
+        self.lora, self.nolora, self.pool, self.device = lora, nolora, pool, device
+        self.force_variant: str | None = None  # "lora" / "nolora" overrides routing, for tests
+
+    def variant_for(self, names: Sequence[str | None] | None) -> str:
+        if self.force_variant is not None:
+            return self.force_variant
+        if self.lora is None or names is None or all(n is None for n in names):
+            return "nolora"
+        return "lora"
+
+    def __call__(self, *args):
+        names = current_adapter_names()
+        if self.variant_for(names) == "nolora":
+            return self.nolora(*args)
+        slots = self.pool.slot_ids(names if names is not None else ())
+        slot_ids = torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
+        return self.lora(*args, slot_ids)
