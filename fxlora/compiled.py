@@ -46,6 +46,11 @@ class CompiledModel(torch.nn.Module):
         """Names of the adapters loaded now, in slot order."""
         return sorted(self.pool.slot_of, key=self.pool.slot_of.__getitem__)
 
+    @property
+    def compile_count(self) -> int:
+        """How many graphs have been traced and compiled so far (a retrace adds one)."""
+        return len(self._backend.routers)
+
     def forward(self, *args: Any, adapter_names: Sequence[str | None] | None = None, **kwargs: Any) -> Any:
         if adapter_names is not None:
             adapter_names = list(adapter_names)

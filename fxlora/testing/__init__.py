@@ -1,0 +1,32 @@
+"""Property-testing tools for fxlora and for users' own models: hypothesis strategies,
+tiny random models and adapters, and the PEFT oracle."""
+
+from fxlora.testing.models import FAMILIES, lora_module_names, make_adapter, tiny_config, tiny_model
+from fxlora.testing.oracle import (
+    KL_TOL,
+    RTOL,
+    assert_matches_peft,
+    peft_model_with,
+    reference_logits,
+    row_errors,
+)
+from fxlora.testing.strategies import Batch, adapter_sets, batches, lora_configs, model_configs
+
+__all__ = [
+    "FAMILIES",
+    "KL_TOL",
+    "RTOL",
+    "Batch",
+    "adapter_sets",
+    "assert_matches_peft",
+    "batches",
+    "lora_configs",
+    "lora_module_names",
+    "make_adapter",
+    "model_configs",
+    "peft_model_with",
+    "reference_logits",
+    "row_errors",
+    "tiny_config",
+    "tiny_model",
+]

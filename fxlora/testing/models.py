@@ -1,0 +1,100 @@
+"""Tiny random-weight models and PEFT adapters for tests and demos (no model hub).
+
+``tiny_model(family)`` builds a ``transformers`` causal LM from a config with random
+weights; ``make_adapter`` wraps a copy of it with PEFT, gives the LoRA factors random
+values and returns the adapter saved to a directory or as ``(config, state_dict)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from typing import Any
+
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+# model_type and the config fields that make it tiny; every family is a dense decoder.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama"),
+    "mistral": dict(model_type="mistral"),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3"),
+    "gemma2": dict(model_type="gemma2"),
+    "gemma3": dict(model_type="gemma3_text"),
+    "phi3": dict(model_type="phi3"),
+}
+
+
+def tiny_config(
+    family: str,
+    *,
+    hidden_size: int = 32,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 48,
+    vocab_size: int = 96,
+):
+    from transformers import AutoConfig
+
+    kw = dict(FAMILIES[family])
+    model_type = kw.pop("model_type")
+    return AutoConfig.for_model(
+        model_type,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=hidden_size // num_attention_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
+    )
+
+
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **config_kw: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **config_kw), dtype=dtype)
+    return model.eval()
+
+
+def lora_module_names(model: torch.nn.Module) -> list[str]:
+    """Short names (``q_proj``, ``embed_tokens``, ...) of every linear and embedding module."""
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and name
+    }
+    return sorted(names)
+
+
+@torch.no_grad()
+def make_adapter(
+    model: torch.nn.Module, config: LoraConfig, seed: int, directory: str | None = None, scale: float = 0.5
+) -> Any:
+    """A PEFT LoRA adapter for ``model`` with random factors of size about ``scale``.
+
+    Saved with ``save_pretrained`` into ``directory`` (or a new temporary directory) and
+    returned as its path; with ``directory=""`` returned in memory as ``(config, state_dict)``.
+    """
+    config = copy.deepcopy(config)
+    config.init_lora_weights = False
+    peft_model = get_peft_model(copy.deepcopy(model), config)
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            fan = 1 if "lora_embedding_A" in name else p.shape[-1]  # an embedding's A is looked up, not summed
+            p.copy_(torch.randn(p.shape, generator=gen) * scale / fan**0.5)
+    if directory == "":
+        state = get_peft_model_state_dict(peft_model)
+        return peft_model.peft_config["default"], {k: v.clone() for k, v in state.items()}
+    directory = directory or tempfile.mkdtemp(prefix="fxlora-adapter-")
+    peft_model.save_pretrained(directory)
+    return directory

@@ -1,0 +1,116 @@
+"""The correctness oracle: PEFT, one adapter at a time, on the rows that use it.
+
+For a mixed batch the reference output of a row is what PEFT gives with that row's adapter
+active (the unmodified model for ``None`` rows), computed on the sub-batch of rows sharing
+the adapter. Tolerances live here, one per dtype: float32 compares by relative error,
+float16 / bfloat16 by the KL divergence of the per-token log-probabilities.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+# Relative error per row (max |out - ref| / max |ref|), float32.
+RTOL = {torch.float32: 1e-5}
+# Per-token KL(ref || out) of the log-softmax, half precision.
+KL_TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3}
+
+
+def peft_model_with(model: torch.nn.Module, adapters: Mapping[str, Any]) -> Any:
+    """A PeftModel over a copy of ``model`` holding every adapter (directories, or
+    ``(config, state_dict)`` pairs)."""
+    from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+
+    peft_model = None
+    for name, source in adapters.items():
+        if isinstance(source, tuple):
+            config, state = source
+            if peft_model is None:
+                peft_model = get_peft_model(copy.deepcopy(model), copy.deepcopy(config), adapter_name=name)
+            else:
+                peft_model.add_adapter(name, copy.deepcopy(config))
+            set_peft_model_state_dict(peft_model, state, adapter_name=name)
+        elif peft_model is None:
+            peft_model = PeftModel.from_pretrained(copy.deepcopy(model), source, adapter_name=name)
+        else:
+            peft_model.load_adapter(source, adapter_name=name)
+    if peft_model is None:
+        raise ValueError("no adapters given")
+    return peft_model.eval()
+
+
+def _rows(inputs: Mapping[str, Any], index: list[int]) -> dict[str, Any]:
+    batch = inputs["input_ids"].shape[0]
+    return {
+        k: v[index] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
+        for k, v in inputs.items()
+    }
+
+
+@torch.no_grad()
+def reference_logits(
+    model: torch.nn.Module, peft_model: Any, adapter_names: Sequence[str | None], **inputs: Any
+) -> torch.Tensor:
+    """Logits of every row from PEFT with the row's adapter, or from ``model`` for ``None``."""
+    out = None
+    for name in dict.fromkeys(adapter_names):
+        index = [i for i, n in enumerate(adapter_names) if n == name]
+        rows = _rows(inputs, index)
+        if name is None:
+            logits = model(**rows).logits
+        else:
+            peft_model.set_adapter(name)
+            logits = peft_model(**rows).logits
+        if out is None:
+            out = logits.new_empty((len(adapter_names), *logits.shape[1:]))
+        out[index] = logits
+    return out
+
+
+def row_errors(out: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor | None = None) -> list[float]:
+    """Per row: relative error (float32) or the largest per-token KL (half precision),
+    over the positions ``mask`` keeps."""
+    errors = []
+    for i in range(out.shape[0]):
+        keep = mask[i].bool() if mask is not None else torch.ones(out.shape[1], dtype=torch.bool)
+        o, r = out[i][keep].float(), ref[i][keep].float()
+        if ref.dtype in KL_TOL:
+            logp_r, logp_o = torch.log_softmax(r, -1), torch.log_softmax(o, -1)
+            errors.append((logp_r.exp() * (logp_r - logp_o)).sum(-1).max().item())
+        else:
+            errors.append(((o - r).abs().max() / r.abs().max().clamp_min(1e-30)).item())
+    return errors
+
+
+def assert_matches_peft(
+    compiled: Any,
+    model: torch.nn.Module,
+    adapters: Mapping[str, Any],
+    adapter_names: Sequence[str | None],
+    *,
+    peft_model: Any = None,
+    tolerance: float | None = None,
+    **inputs: Any,
+) -> torch.Tensor:
+    """Run ``compiled`` (an ``fxlora.CompiledModel``) on a mixed batch and check every row
+    against PEFT with that row's adapter. Returns the compiled logits.
+
+    ``adapters`` maps names to what was loaded (directories or ``(config, state_dict)``);
+    pass ``peft_model`` to reuse one built by :func:`peft_model_with`."""
+    used = {n for n in adapter_names if n is not None}
+    if peft_model is None and used:
+        peft_model = peft_model_with(model, {n: adapters[n] for n in used})
+    with torch.no_grad():
+        out = compiled(adapter_names=list(adapter_names), **inputs).logits
+    ref = reference_logits(model, peft_model, adapter_names, **inputs)
+    tol = tolerance if tolerance is not None else {**RTOL, **KL_TOL}[ref.dtype]
+    errors = row_errors(out, ref, inputs.get("attention_mask"))
+    bad = [(i, adapter_names[i], e) for i, e in enumerate(errors) if not e <= tol]
+    if bad:
+        detail = ", ".join(f"row {i} ({n!r}): {e:.3g}" for i, n, e in bad)
+        raise AssertionError(f"fxlora differs from the PEFT oracle beyond {tol:g} ({ref.dtype}): {detail}")
+    return out

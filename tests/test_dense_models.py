@@ -1,0 +1,160 @@
+"""Property tests over the dense families: mixed batches against the PEFT oracle, and the
+invariants of routing, batching and hot-loading. Each family is compiled once; hypothesis
+varies adapters and batches against it."""
+
+import tempfile
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fxlora
+from fxlora.testing import (
+    FAMILIES,
+    RTOL,
+    adapter_sets,
+    assert_matches_peft,
+    batches,
+    lora_module_names,
+    make_adapter,
+    row_errors,
+    tiny_model,
+)
+
+MAX_LORAS, MAX_RANK = 6, 32
+
+
+@dataclass
+class Served:
+    family: str
+    model: torch.nn.Module
+    cm: fxlora.CompiledModel
+    targets: list[str]
+
+    def load(self, adapters: dict) -> None:
+        for name in self.cm.adapter_names:
+            self.cm.unload_adapter(name)
+        for name, source in adapters.items():
+            self.cm.load_adapter(name, source)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def served(request):
+    model = tiny_model(request.param, seed=len(request.param))
+    targets = lora_module_names(model)
+    cm = fxlora.compile(model, target_modules=targets, max_loras=MAX_LORAS, max_rank=MAX_RANK, dynamic=True)
+    return Served(request.param, model, cm, targets)
+
+
+def draw_adapters(data, served: Served, directory: str) -> dict:
+    configs = data.draw(adapter_sets(served.targets, max_rank=MAX_RANK), label="configs")
+    in_memory = data.draw(st.booleans(), label="in_memory")
+    return {
+        f"ad{i}": make_adapter(
+            served.model, config, seed=data.draw(st.integers(0, 2**16)), directory="" if in_memory else f"{directory}/ad{i}"
+        )
+        for i, config in enumerate(configs)
+    }
+
+
+@given(data=st.data())
+def test_mixed_batch_matches_peft(served, data):
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = draw_adapters(data, served, tmp)
+        batch = data.draw(batches(served.model.config.vocab_size, list(adapters)))
+        served.cm(**batch.inputs)  # traces this shape class if it is new
+        compiles = served.cm.compile_count
+        served.load(adapters)
+        out = assert_matches_peft(served.cm, served.model, adapters, batch.adapter_names, **batch.inputs)
+    base = served.model(**batch.inputs).logits
+    for i, name in enumerate(batch.adapter_names):
+        if name is None:  # rows without an adapter run the base computation exactly
+            assert torch.equal(out[i], base[i]), f"row {i}"
+    # loading adapters changed nothing Dynamo sees: no retrace
+    assert served.cm.compile_count == compiles
+
+
+@given(data=st.data())
+def test_no_adapter_is_bit_identical_to_the_model(served, data):
+    with tempfile.TemporaryDirectory() as tmp:
+        served.load(draw_adapters(data, served, tmp))
+    batch = data.draw(batches(served.model.config.vocab_size, []))
+    base = served.model(**batch.inputs).logits
+    assert torch.equal(served.cm(**batch.inputs).logits, base)  # adapter_names=None: nolora graph
+    assert torch.equal(served.cm(**batch.inputs, adapter_names=batch.adapter_names).logits, base)
+    routers = served.cm._backend.routers
+    for router in routers:
+        router.force_variant = "lora"  # the lora graph with every row on "no adapter"
+    try:
+        assert torch.equal(served.cm(**batch.inputs, adapter_names=batch.adapter_names).logits, base)
+    finally:
+        for router in routers:
+            router.force_variant = None
+
+
+@given(data=st.data())
+def test_rows_are_independent(served, data):
+    """A row alone equals the same row in a batch; permuting rows permutes outputs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = draw_adapters(data, served, tmp)
+        served.load(adapters)
+    batch = data.draw(batches(served.model.config.vocab_size, list(adapters)))
+    out = served.cm(**batch.inputs, adapter_names=batch.adapter_names).logits
+    mask = batch.attention_mask
+    i = data.draw(st.integers(0, len(batch.adapter_names) - 1), label="row")
+    alone = served.cm(
+        input_ids=batch.input_ids[i : i + 1], attention_mask=mask[i : i + 1], adapter_names=[batch.adapter_names[i]]
+    ).logits
+    assert row_errors(alone, out[i : i + 1], mask[i : i + 1])[0] <= RTOL[torch.float32]
+    perm = data.draw(st.permutations(range(len(batch.adapter_names))), label="perm")
+    permuted = served.cm(
+        input_ids=batch.input_ids[perm], attention_mask=mask[perm], adapter_names=[batch.adapter_names[p] for p in perm]
+    ).logits
+    assert max(row_errors(permuted, out[perm], mask[perm])) <= RTOL[torch.float32]
+
+
+def test_unload_load_reload_without_recompiles(served, tmp_path):
+    from peft import LoraConfig
+
+    some = [t for t in served.targets if t not in ("embed_tokens", "lm_head")]
+    adapters = {
+        "x": make_adapter(served.model, LoraConfig(r=4, lora_alpha=8, target_modules=some[:2]), 1, str(tmp_path / "x")),
+        "y": make_adapter(served.model, LoraConfig(r=8, lora_alpha=4, target_modules=some[1:]), 2, ""),
+        "z": make_adapter(served.model, LoraConfig(r=2, lora_alpha=2, target_modules=["embed_tokens", "lm_head"]), 3, ""),
+    }
+    served.load(adapters)
+    ids = torch.randint(3, served.model.config.vocab_size, (3, 5))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    names = ["x", "y", "z"]
+    first = assert_matches_peft(served.cm, served.model, adapters, names, **inputs)
+    compiles = served.cm.compile_count
+    served.cm.unload_adapter("x")
+    assert "x" not in served.cm.adapter_names
+    with pytest.raises(fxlora.AdapterError, match="unknown adapter 'x'"):
+        served.cm(**inputs, adapter_names=names)
+    served.cm.unload_adapter("y")
+    served.cm.load_adapter("y", adapters["y"])  # lands in the slot x held
+    served.cm.load_adapter("x", adapters["x"])
+    again = assert_matches_peft(served.cm, served.model, adapters, names, **inputs)
+    assert row_errors(again, first) == [0.0, 0.0, 0.0]
+    assert served.cm.compile_count == compiles
+
+
+def test_entry_points_agree(served, tmp_path):
+    from peft import LoraConfig
+
+    adapters = {
+        "p": make_adapter(served.model, LoraConfig(r=3, target_modules=served.targets[:3]), 5, str(tmp_path / "p")),
+        "q": make_adapter(served.model, LoraConfig(r=5, lora_alpha=3, use_rslora=True, target_modules="all-linear"), 6, ""),
+    }
+    served.load(adapters)
+    options = {"adapters": adapters, "max_loras": MAX_LORAS, "max_rank": MAX_RANK}
+    compiled = torch.compile(served.model, backend="fxlora", options=options, dynamic=True)
+    ids = torch.randint(3, served.model.config.vocab_size, (4, 6))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    names = ["q", None, "p", "q"]
+    with fxlora.use_adapters(names):
+        via_dynamo = compiled(**inputs).logits
+    assert torch.equal(via_dynamo, served.cm(**inputs, adapter_names=names).logits)
