@@ -20,6 +20,7 @@ from fxlora.adapters import AdapterPool, model_modules, read_adapter
 from fxlora.adapters.peft_format import AdapterSource
 from fxlora.errors import AdapterError
 from fxlora.runtime import Backend, use_adapters
+from fxlora.runtime.routing import record_coverage
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,27 @@ class CompiledModel(torch.nn.Module):
             if rows is not None and len(adapter_names) != rows:
                 raise AdapterError(f"adapter_names has {len(adapter_names)} entries but the batch has {rows} rows")
             self.pool.slot_ids(adapter_names)  # unknown names fail here, before any work
-        with use_adapters(adapter_names):
-            return self._compiled(*args, **kwargs)
+        # Views of a larger tensor would make Dynamo guard on their base and offset and
+        # retrace for each new slicing; a private copy of such small inputs avoids that.
+        args = tuple(_own(a) for a in args)
+        kwargs = {k: _own(v) for k, v in kwargs.items()}
+        with use_adapters(adapter_names), record_coverage() as covered:
+            out = self._compiled(*args, **kwargs)
+        missing = self._needed(adapter_names) - covered
+        if missing:
+            raise RuntimeError(
+                f"the LoRA of {len(missing)} module(s), e.g. {sorted(missing)[0]!r}, did not run: that code ran "
+                "outside the compiled graphs (a graph break, or Dynamo's recompile limit was hit). "
+                "See explain() and TORCH_LOGS=graph_breaks,recompiles."
+            )
+        return out
+
+    def _needed(self, adapter_names: Sequence[str | None] | None) -> set[str]:
+        """Target modules the adapters of these rows change."""
+        needed: set[str] = set()
+        for name in set(adapter_names or ()) - {None}:
+            needed |= self.pool.adapters[name].modules.keys() & self.pool.targets.keys()
+        return needed
 
     def load_adapter(self, name: str, source: AdapterSource) -> None:
         """Load an adapter into a free slot: graphs are not retraced. On any error nothing
@@ -75,6 +95,10 @@ class CompiledModel(torch.nn.Module):
         if not self._backend.routers:
             lines.append("no graph compiled yet: call the model once to trace it")
         return "\n".join(lines)
+
+
+def _own(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) and x._base is not None else x
 
 
 def _batch_rows(args: tuple, kwargs: Mapping[str, Any]) -> int | None:

@@ -42,6 +42,7 @@ class Served:
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def served(request):
+    torch._dynamo.reset()  # every family starts with Dynamo's per-function recompile budget
     model = tiny_model(request.param, seed=len(request.param))
     targets = lora_module_names(model)
     cm = fxlora.compile(model, target_modules=targets, max_loras=MAX_LORAS, max_rank=MAX_RANK, dynamic=True)

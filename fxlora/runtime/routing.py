@@ -17,7 +17,10 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import AdapterPool
+from fxlora.passes.graph_edit import BASE_CALL
 
+# Modules whose LoRA ran during the current call, when the caller records them.
+_covered: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("fxlora_covered", default=None)
 _adapter_names: contextvars.ContextVar[tuple[str | None, ...] | None] = contextvars.ContextVar(
     "fxlora_adapter_names", default=None
 )
@@ -37,11 +40,27 @@ def current_adapter_names() -> tuple[str | None, ...] | None:
     return _adapter_names.get()
 
 
+@contextlib.contextmanager
+def record_coverage() -> Iterator[set[str]]:
+    """Collects the modules whose LoRA op ran inside the block. Code Dynamo does not
+    compile (a graph break, a hit recompile limit) runs the plain model, and this is how a
+    caller notices instead of returning base outputs for adapter rows."""
+    covered: set[str] = set()
+    token = _covered.set(covered)
+    try:
+        yield covered
+    finally:
+        _covered.reset(token)
+
+
 class Router:
     """Runs one compiled graph's ``lora`` or ``nolora`` variant, as the current names ask."""
 
     def __init__(self, lora: fx.GraphModule | None, nolora: fx.GraphModule, pool: AdapterPool, device: torch.device):
         self.lora, self.nolora, self.pool, self.device = lora, nolora, pool, device
+        self.lora_modules = frozenset(
+            n.meta["fxlora_module"] for n in (lora.graph.nodes if lora is not None else ()) if n.meta.get(BASE_CALL)
+        )
         self.force_variant: str | None = None  # "lora" / "nolora" overrides routing, for tests
 
     def variant_for(self, names: Sequence[str | None] | None) -> str:
@@ -57,4 +76,8 @@ class Router:
             return self.nolora(*args)
         slots = self.pool.slot_ids(names if names is not None else ())
         slot_ids = torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
-        return self.lora(*args, slot_ids)
+        out = self.lora(*args, slot_ids)
+        covered = _covered.get()
+        if covered is not None:
+            covered |= self.lora_modules
+        return out
