@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.fx as fx
@@ -11,6 +12,14 @@ from fxlora.adapters import PoolTarget
 
 ADDED = "fxlora_added"  # meta flag on every node a pass inserts; specialize strips them
 BASE_CALL = "fxlora_base"  # meta on a LoRA op: (target, args, kwargs) of the base call it replaced
+
+
+@dataclass(frozen=True)
+class OpArg:
+    """In a remembered base call: "the LoRA op's argument number ``index``", so the base call
+    follows later rewrites of its inputs."""
+
+    index: int
 
 
 def pool_nodes(gm: fx.GraphModule, target: PoolTarget) -> list[fx.Node]:
@@ -39,7 +48,11 @@ def replace_with(gm: fx.GraphModule, node: fx.Node, op: Callable, args: tuple) -
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(op, args)
     new.meta.update(node.meta)
-    new.meta[BASE_CALL] = (node.target, node.args, node.kwargs)
+    position = {a: i for i, a in enumerate(args) if isinstance(a, fx.Node)}
+    new.meta[BASE_CALL] = (
+        node.target,
+        *fx.node.map_aggregate((node.args, node.kwargs), lambda a: OpArg(position[a]) if isinstance(a, fx.Node) else a),
+    )
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     return new
@@ -50,3 +63,10 @@ def meta_shape(node: Any) -> tuple | None:
         return None
     val = node.meta.get("val", node.meta.get("example_value"))
     return tuple(val.shape) if hasattr(val, "shape") else None
+
+
+def base_call(node: fx.Node) -> tuple[Any, tuple, dict]:
+    """The base call a LoRA op replaced, in terms of the op's current arguments."""
+    target, args, kwargs = node.meta[BASE_CALL]
+    args, kwargs = fx.node.map_aggregate((args, kwargs), lambda a: node.args[a.index] if isinstance(a, OpArg) else a)
+    return target, args, kwargs

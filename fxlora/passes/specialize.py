@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxlora.passes.graph_edit import ADDED, BASE_CALL
+from fxlora.passes.graph_edit import ADDED, BASE_CALL, base_call
 
 LORA_OPS = {torch.ops.fxlora.lora_linear.default, torch.ops.fxlora.lora_embedding.default}
 
@@ -22,14 +22,11 @@ def specialize(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, fx.GraphModul
     if not any(n.target in LORA_OPS for n in gm.graph.nodes):
         return None, gm
     graph = fx.Graph()
-    copies: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, copies))
-    for old, node in copies.items():
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in list(graph.nodes):
         if node.target in LORA_OPS:
-            target, args, kwargs = old.meta[BASE_CALL]
-            remap = lambda n: copies[n]  # noqa: E731
             with graph.inserting_before(node):
-                base = graph.call_function(target, fx.map_arg(args, remap), fx.map_arg(kwargs, remap))
+                base = graph.call_function(*base_call(node))
             base.meta = {k: v for k, v in node.meta.items() if k != BASE_CALL}
             node.replace_all_uses_with(base)
             graph.erase_node(node)

@@ -1,0 +1,49 @@
+"""fxlora::batch_info against its definition."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fxlora import AdapterError
+from fxlora.kernels import batch_info
+
+
+@given(
+    rows=st.integers(1, 6),
+    per_row=st.integers(1, 5),
+    num_slots=st.integers(1, 5),
+    data=st.data(),
+    flat=st.booleans(),
+)
+def test_batch_info_groups_tokens_by_slot(rows, per_row, num_slots, data, flat):
+    slots = data.draw(st.lists(st.integers(-1, num_slots - 1), min_size=rows, max_size=rows))
+    slot_ids = torch.tensor(slots, dtype=torch.int32)
+    tokens = torch.empty(rows * per_row, 7) if flat else torch.empty(rows, per_row, 7)
+    token_slot, sorted_tokens, seg_start, seg_len = batch_info(slot_ids, tokens, 1, num_slots)
+    assert token_slot.tolist() == [s for s in slots for _ in range(per_row)]
+    assert sorted(sorted_tokens.tolist()) == list(range(rows * per_row))
+    for s in range(num_slots):
+        segment = sorted_tokens[seg_start[s] : seg_start[s] + seg_len[s]].tolist()
+        assert segment == [t for t in range(rows * per_row) if token_slot[t] == s]  # stable
+    covered = int(seg_len.sum())
+    assert all(token_slot[t] == -1 for t in sorted_tokens[covered:].tolist())  # no-adapter tokens last
+
+
+def test_batch_info_of_token_ids():
+    out = batch_info(torch.tensor([1, -1], dtype=torch.int32), torch.zeros(2, 3, dtype=torch.long), 0, 2)
+    assert out[0].tolist() == [1, 1, 1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 8), (7, 8)])
+def test_batch_info_rejects_rows_that_do_not_match(shape):
+    with pytest.raises(AdapterError, match="adapter_names has 2 entries"):
+        batch_info(torch.zeros(2, dtype=torch.int32), torch.empty(shape), 1, 4)
+
+
+def test_batch_info_schema_and_fake():
+    torch.library.opcheck(
+        torch.ops.fxlora.batch_info.default,
+        (torch.tensor([0, -1, 1], dtype=torch.int32), torch.empty(3, 2, 5), 1, 3),
+        test_utils=("test_schema", "test_faketensor"),
+    )

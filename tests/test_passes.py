@@ -1,0 +1,145 @@
+"""Each pass on a hand-written FX graph, and the whole pipeline on a Dynamo-traced model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from toy_graphs import toy_expected, toy_graph, toy_pool
+
+from fxlora.adapters import AdapterPool
+from fxlora.passes import PassContext, run_pipeline
+from fxlora.passes.annotate import annotate, module_fqn
+from fxlora.passes.batch_info import SLOT_IDS, batch_info
+from fxlora.passes.lora_embedding import lora_embedding
+from fxlora.passes.lora_linear import lora_linear
+from fxlora.passes.specialize import specialize
+from fxlora.testing import lora_module_names, tiny_model
+
+LORA_LINEAR = torch.ops.fxlora.lora_linear.default
+LORA_EMBEDDING = torch.ops.fxlora.lora_embedding.default
+BATCH_INFO = torch.ops.fxlora.batch_info.default
+
+
+@pytest.fixture
+def toy():
+    ids = torch.randint(0, 11, (3, 4))
+    model, gm = toy_graph(ids)
+    return model, gm, toy_pool(model), ids
+
+
+def count(gm, target):
+    return sum(1 for n in gm.graph.nodes if n.target is target)
+
+
+@pytest.mark.parametrize(
+    "path, fqn",
+    [
+        ("L['self'].model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj"),
+        ("L['self'].model.layers[0]._modules['mlp']", "model.layers.0.mlp"),
+        ("L['self'].lm_head", "lm_head"),
+        ("model.layers.1.mlp", "model.layers.1.mlp"),
+    ],
+)
+def test_module_fqn(path, fqn):
+    assert module_fqn(path) == fqn
+
+
+def test_annotate_attributes_calls_to_modules(toy):
+    model, gm, pool, _ = toy
+    annotate(gm, PassContext(pool))
+    owners = {n.target: n.meta.get("fxlora_module") for n in gm.graph.nodes if n.op == "call_function"}
+    assert owners[F.embedding] == "emb"
+    linears = [n.meta["fxlora_module"] for n in gm.graph.nodes if n.target is F.linear]
+    assert linears == ["lin1", "lin2"]
+
+
+def test_annotate_reads_nn_module_stack(toy):
+    _, gm, pool, _ = toy
+    node = next(n for n in gm.graph.nodes if n.target is F.linear)
+    node.meta["nn_module_stack"] = {"x": ("L['self'].blocks[3].proj", torch.nn.Linear)}
+    annotate(gm, PassContext(pool))
+    assert node.meta["fxlora_module"] == "blocks.3.proj"
+    assert node.meta["fxlora_module_type"] is torch.nn.Linear
+
+
+def test_lora_linear_rewrites_only_targets(toy):
+    _, gm, pool, _ = toy
+    ctx = PassContext(pool)
+    lora_linear(annotate(gm, ctx), ctx)
+    assert count(gm, LORA_LINEAR) == 1 and count(gm, F.linear) == 1  # lin2 has no LoRA
+    assert ctx.rewritten == {"lin1": "fxlora::lora_linear"}
+    # the graph reads the pool's own tensors, so in-place adapter loads reach it
+    assert gm.fxlora_lin1_lora_a.data_ptr() == pool.targets["lin1"].lora_a.data_ptr()
+
+
+def test_lora_embedding_rewrites_the_lookup(toy):
+    _, gm, pool, _ = toy
+    ctx = PassContext(pool)
+    lora_embedding(annotate(gm, ctx), ctx)
+    assert count(gm, LORA_EMBEDDING) == 1 and count(gm, F.embedding) == 0
+    assert ctx.rewritten == {"emb": "fxlora::lora_embedding"}
+
+
+def test_batch_info_merges_prologues_of_one_layout(toy):
+    _, gm, pool, _ = toy
+    ctx = PassContext(pool)
+    for p in (annotate, lora_linear, lora_embedding):
+        gm = p(gm, ctx)
+    assert count(gm, BATCH_INFO) == 2
+    batch_info(gm, ctx)
+    assert count(gm, BATCH_INFO) == 1
+    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["ids", SLOT_IDS]
+
+
+def test_batch_info_keeps_prologues_of_different_layouts(toy):
+    _, gm, pool, _ = toy
+    ctx = PassContext(pool)
+    for p in (annotate, lora_linear, lora_embedding):
+        gm = p(gm, ctx)
+    # make lin1 see the last position only, as an output head computing few logits does
+    prologue = [n for n in gm.graph.nodes if n.target is BATCH_INFO][-1]
+    prologue.meta["fxlora_layout"] = "(3, 1)"
+    batch_info(gm, ctx)
+    assert count(gm, BATCH_INFO) == 2
+
+
+def test_pipeline_on_hand_written_graph(toy):
+    model, gm, pool, ids = toy
+    original = gm(ids)
+    lora, nolora = run_pipeline(gm, PassContext(pool))
+    assert "fxlora" not in nolora.code
+    assert torch.equal(nolora(ids), original)
+    for names in (["one", None, "two"], [None, None, None], ["two", "two", "one"]):
+        slots = torch.tensor(pool.slot_ids(names), dtype=torch.int32)
+        torch.testing.assert_close(lora(ids, slots), toy_expected(model, pool, ids, names), rtol=1e-5, atol=1e-6)
+    assert torch.equal(lora(ids, torch.full((3,), -1, dtype=torch.int32)), original)
+
+
+def test_specialize_without_lora_ops_is_identity(toy):
+    _, gm, _, _ = toy
+    lora, nolora = specialize(gm)
+    assert lora is None and nolora is gm
+
+
+def test_pipeline_on_a_traced_model():
+    model = tiny_model("qwen3")
+    targets = [t for t in lora_module_names(model) if t != "lm_head"]
+    pool = AdapterPool(max_loras=2, max_rank=4, target_modules=targets)
+    captured = {}
+
+    def backend(gm, example_inputs):
+        captured["lora"], captured["nolora"] = run_pipeline(gm, PassContext(pool))
+        return captured["nolora"]
+
+    ids = torch.randint(3, 96, (2, 5))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        out = torch.compile(model, backend=backend)(input_ids=ids).logits
+    assert torch.equal(out, ref)
+    lora = captured["lora"]
+    assert count(lora, LORA_LINEAR) == 2 * 7  # q k v o gate up down, two layers
+    assert count(lora, LORA_EMBEDDING) == 1
+    assert count(lora, BATCH_INFO) == 1
+    assert "fxlora" not in captured["nolora"].code
+    assert {n.meta["fxlora_module"] for n in lora.graph.nodes if n.target is LORA_LINEAR} == set(pool.targets) - {
+        "model.embed_tokens"
+    }
