@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 settings.register_profile(
     "fxlora",
     deadline=None,
-    max_examples=int(os.environ.get("FXLORA_EXAMPLES", "6")),
+    max_examples=int(os.environ.get("FXLORA_EXAMPLES", "10")),
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
 )

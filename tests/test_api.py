@@ -1,0 +1,119 @@
+"""The public API around the core: PeftModel input, the user's model left alone, the
+Dynamo entry point in a fresh process, explain(), and the eager-fallback guard."""
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import fxlora
+from fxlora.testing import assert_matches_peft, make_adapter, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=7)
+
+
+@pytest.fixture
+def inputs():
+    ids = torch.randint(3, 96, (3, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def test_compile_leaves_the_model_unchanged(model, inputs, tmp_path):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = model(**inputs).logits
+    adapter = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), 0, str(tmp_path / "a"))
+    cm = fxlora.compile(model, adapters={"a": adapter})
+    cm(**inputs, adapter_names=["a", None, "a"])
+    cm.unload_adapter("a")
+    assert not any(hasattr(m, "lora_A") for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model(**inputs).logits, expected)
+
+
+def test_compile_a_peft_model(model, inputs):
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["v_proj"], init_lora_weights=False), adapter_name="v")
+    peft_model.add_adapter("o", LoraConfig(r=2, lora_alpha=5, target_modules=["o_proj", "embed_tokens"], init_lora_weights=False))
+    peft_model.eval()
+    cm = fxlora.compile(peft_model)
+    assert cm.adapter_names == ["v", "o"]
+    names = ["o", "v", None]
+    out = cm(**inputs, adapter_names=names).logits
+    for i, name in enumerate(names):  # the PeftModel keeps working, and is the oracle
+        if name is None:
+            with peft_model.disable_adapter():
+                ref = peft_model(**{k: v[i : i + 1] for k, v in inputs.items()}).logits
+        else:
+            peft_model.set_adapter(name)
+            ref = peft_model(**{k: v[i : i + 1] for k, v in inputs.items()}).logits
+        torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_keep_the_models_type(model, inputs):
+    cm = fxlora.compile(model)
+    assert type(cm(**inputs)) is type(model(**inputs))
+
+
+def test_explain_says_what_was_rewritten(model, inputs, tmp_path):
+    adapter = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]), 0, str(tmp_path / "a"))
+    cm = fxlora.compile(model, adapters={"a": adapter}, max_loras=3)
+    assert "no graph compiled yet" in cm.explain()
+    cm(**inputs, adapter_names=["a", "a", None])
+    text = cm.explain()
+    assert "3 target modules, 3 slots" in text
+    assert "slot 0: 'a'" in text
+    assert "2 x fxlora::lora_linear" in text and "1 x fxlora::lora_embedding" in text
+    assert "1 prologue(s) shared by 3 LoRA op(s)" in text
+
+
+def test_lora_skipped_by_eager_fallback_is_an_error(model, inputs, tmp_path, monkeypatch):
+    adapter = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj"]), 0, str(tmp_path / "a"))
+    cm = fxlora.compile(model, adapters={"a": adapter})
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    cm(**inputs, adapter_names=["a", None, None])
+    other = {k: v[:2, :4].clone() for k, v in inputs.items()}  # a new shape class: Dynamo gives up, runs eagerly
+    with pytest.raises(RuntimeError, match="did not run"):
+        cm(**other, adapter_names=["a", None])
+    torch._dynamo.reset()
+
+
+def test_backend_entry_point_in_a_fresh_process(tmp_path):
+    """backend="fxlora" resolves through the torch_dynamo_backends entry point."""
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from peft import LoraConfig
+        from fxlora.testing.models import tiny_model, make_adapter
+        from fxlora.testing.oracle import peft_model_with, reference_logits, row_errors
+        model = tiny_model("mistral")
+        adapters = {{"a": make_adapter(model, LoraConfig(r=2, target_modules=["q_proj"]), 1, {str(tmp_path / "a")!r})}}
+        compiled = torch.compile(model, backend="fxlora", options={{"adapters": adapters, "max_rank": 8}})
+        ids = torch.randint(3, 96, (2, 4))
+        from fxlora import use_adapters
+        with torch.no_grad(), use_adapters(["a", None]):
+            out = compiled(input_ids=ids).logits
+            ref = reference_logits(model, peft_model_with(model, adapters), ["a", None], input_ids=ids)
+        assert max(row_errors(out, ref)) < 1e-5, row_errors(out, ref)
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=os.environ)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_backend_name_resolves_without_importing_fxlora():
+    code = "import sys, torch._dynamo as d; f = d.lookup_backend('fxlora'); print(f.__module__, 'fxlora' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["fxlora.runtime.backend", "True"]
