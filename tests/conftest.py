@@ -1,5 +1,10 @@
 import os
 
+# Without a GPU the Triton kernels run in Triton's interpreter; this must be set before
+# any kernel module is imported.
+if "TRITON_INTERPRET" not in os.environ and not __import__("torch").cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings

@@ -3,12 +3,17 @@
 ``y = F.embedding(ids, weight)``, then for every token ``t`` with slot ``s >= 0``:
 ``y[t] += scaling[s] * lora_a[s, :r, ids[t]] @ lora_b[s, :, :r].T`` with ``r = rank[s]``,
 which is PEFT's ``F.embedding(ids, A.T) @ B.T * scaling``.
+
+On CUDA the shrink is a gather of ``A``'s columns and the expand is the Triton SGMV
+expand kernel, adding in place; elsewhere :func:`lora_embedding_delta_reference` runs.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from fxlora.kernels.triton_support import sgmv
 
 
 def lora_embedding_delta_reference(
@@ -51,6 +56,20 @@ def lora_embedding(
         y.view(-1, y.shape[-1]), ids.reshape(-1), lora_a, lora_b, scaling, rank, token_slot
     )
     return y
+
+
+def _lora_embedding_triton(ids, weight, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len):
+    y = F.embedding(ids, weight)
+    flat = ids.reshape(-1)
+    # row t of v is A[slot_t, :, ids_t]; tokens without an adapter read slot 0 and are
+    # skipped by the expand, which only visits the slots' segments
+    v = lora_a[token_slot.clamp(min=0).long(), :, flat].float()
+    sgmv.lora_expand(y.view(-1, y.shape[-1]), v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len)
+    return y
+
+
+if sgmv is not None:
+    lora_embedding.register_kernel("cuda")(_lora_embedding_triton)
 
 
 @lora_embedding.register_fake

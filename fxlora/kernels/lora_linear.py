@@ -4,12 +4,17 @@
 ``y[t] += scaling[s] * (x[t] @ lora_a[s, :rank[s]].T) @ lora_b[s, :, :rank[s]].T``.
 The delta is added in place into the base output. Tokens without an adapter, and slots
 that do not touch this module (rank 0), cost nothing.
+
+On CUDA the base GEMM stays ``F.linear`` (cuBLAS) and the delta comes from the Triton SGMV
+kernels (:mod:`fxlora.kernels.sgmv`); elsewhere from :func:`lora_delta_reference`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from fxlora.kernels.triton_support import sgmv
 
 
 def lora_delta_reference(
@@ -54,6 +59,18 @@ def lora_linear(
         y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, token_slot
     )
     return y
+
+
+def _lora_linear_triton(x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len):
+    y = F.linear(x, weight, bias)
+    x2 = x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
+    v = sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len)
+    sgmv.lora_expand(y.view(-1, y.shape[-1]), v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len)
+    return y
+
+
+if sgmv is not None:
+    lora_linear.register_kernel("cuda")(_lora_linear_triton)
 
 
 @lora_linear.register_fake

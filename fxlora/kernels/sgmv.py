@@ -1,0 +1,218 @@
+"""Segmented gather matrix-vector products for multi-adapter LoRA, in Triton.
+
+Tokens arrive grouped by slot (``sorted_tokens``, ``seg_start``, ``seg_len`` from
+``fxlora::batch_info``). Two kernels compute the LoRA delta of every token with its own
+slot's factors, as Punica's SGMV does:
+
+- shrink: ``v[t, :] = x[t] @ A[s].T`` for the tokens ``t`` of slot ``s`` (float32 out);
+- expand: ``y[t, cols] += scaling[s] * v[t, :] @ B[s, cols].T``, in place.
+
+Several output slices of unequal width may share one input (fused ``qkv_proj``,
+``gate_up_proj``, MLA's ``q_a_proj`` + ``kv_a_proj_with_mqa``): ``A`` then stacks each
+slice's ``max_rank`` rows, ``B`` each slice's output rows, and ``scaling`` / ``rank`` hold
+one value per (slot, slice).
+
+Graph safety: the grids are sized for the worst case — ``cdiv(T, BLOCK_M) + num_slots``
+segment blocks — and a program with nothing to do (past its segment, a rank-0 slot)
+returns at once. Launches depend only on shapes, never on which adapters are present, so
+they can be captured in a CUDA graph and replayed with other assignments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _segment_block(pid, seg_len, num_slots, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Which slot's tokens, and which block of them, program ``pid`` handles; ``slot ==
+    num_slots`` when there is none."""
+    offs = tl.arange(0, SLOTS_P2)
+    lens = tl.load(seg_len + offs, mask=offs < num_slots, other=0)
+    blocks = (lens + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(blocks, 0)
+    slot = tl.sum((ends <= pid).to(tl.int32), 0)
+    first = tl.sum(tl.where(offs == slot, ends - blocks, 0), 0)
+    length = tl.sum(tl.where(offs == slot, lens, 0), 0)
+    return slot, pid - first, length
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, v_ptr, rank_ptr,
+    sorted_ptr, seg_start_ptr, seg_len_ptr,
+    num_slots, K, RANKS,  # RANKS = num_slices * max_rank: columns of v, rows of each A[s]
+    stride_xt, stride_as, stride_ar, stride_vt,
+    MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    slot, block, length = _segment_block(tl.program_id(0), seg_len_ptr, num_slots, SLOTS_P2, BLOCK_M)
+    if slot >= num_slots:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < length
+    start = tl.load(seg_start_ptr + slot)
+    tokens = tl.load(sorted_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    slice_rank = tl.load(rank_ptr + slot * NUM_SLICES + r // MAX_RANK, mask=r < RANKS, other=0)
+    r_ok = (r % MAX_RANK) < slice_rank  # padded rank rows are never read
+    if tl.max(r_ok.to(tl.int32), 0) == 0:
+        return
+    split = tl.program_id(2)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    a_base = a_ptr + slot.to(tl.int64) * stride_as
+    for k0 in range(split * k_per_split, tl.minimum((split + 1) * k_per_split, K), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        xs = tl.load(x_ptr + tokens[:, None] * stride_xt + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_base + r[None, :] * stride_ar + k[:, None], mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+        if IEEE:
+            acc += tl.dot(xs, at, input_precision="ieee")
+        else:
+            acc += tl.dot(xs, at)
+    out = v_ptr + tokens[:, None] * stride_vt + r[None, :]
+    mask = row_ok[:, None] & (r[None, :] < RANKS)
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr, v_ptr, b_ptr, scaling_ptr, rank_ptr, slice_start_ptr,
+    sorted_ptr, seg_start_ptr, seg_len_ptr,
+    num_slots,
+    stride_yt, stride_vt, stride_bs, stride_bn,
+    MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    slot, block, length = _segment_block(tl.program_id(0), seg_len_ptr, num_slots, SLOTS_P2, BLOCK_M)
+    if slot >= num_slots:
+        return
+    sl = tl.program_id(2)
+    rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
+    col0 = tl.load(slice_start_ptr + sl)
+    width = tl.load(slice_start_ptr + sl + 1) - col0
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if rank == 0 or tl.program_id(1) * BLOCK_N >= width:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < length
+    start = tl.load(seg_start_ptr + slot)
+    tokens = tl.load(sorted_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
+    n_ok = n < width
+    cols = col0 + n
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < rank
+    vs = tl.load(v_ptr + tokens[:, None] * stride_vt + (sl * MAX_RANK + r)[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    bt = tl.load(
+        b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn + r[:, None],
+        mask=r_ok[:, None] & n_ok[None, :],
+        other=0.0,
+    )
+    if IEEE:
+        delta = tl.dot(vs, bt.to(tl.float32), input_precision="ieee")
+    else:
+        delta = tl.dot(vs.to(bt.dtype), bt)
+    delta *= tl.load(scaling_ptr + slot * NUM_SLICES + sl)
+    out = y_ptr + tokens[:, None] * stride_yt + cols[None, :]
+    mask = row_ok[:, None] & n_ok[None, :]
+    y = tl.load(out, mask=mask, other=0.0)
+    tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+
+
+def launch_config(tokens: int, k: int) -> LaunchConfig:
+    """Launch parameters per shape class: small token counts (decode) split the reduction
+    over ``k`` to fill the GPU; long prefills use bigger token blocks."""
+    if tokens <= 64:
+        return LaunchConfig(16, 64, 128, max(1, min(16, k // 512)), 4)
+    if tokens <= 512:
+        return LaunchConfig(32, 64, 64, max(1, min(4, k // 1024)), 4)
+    return LaunchConfig(64, 128, 64, 1, 4)
+
+
+@lru_cache(maxsize=None)
+def _slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    starts = [0]
+    for w in widths:
+        starts.append(starts[-1] + w)
+    return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+def _p2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def lora_shrink(
+    x: torch.Tensor,  # (T, K)
+    lora_a: torch.Tensor,  # (slots, num_slices * max_rank, K)
+    rank: torch.Tensor,  # (slots * num_slices,) int32
+    sorted_tokens: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    num_slices: int = 1,
+) -> torch.Tensor:
+    """``v`` (T, num_slices * max_rank), float32; rows of tokens without an adapter are zero."""
+    tokens, k = x.shape
+    slots, ranks, _ = lora_a.shape
+    cfg = launch_config(tokens, k)
+    v = torch.zeros(tokens, ranks, dtype=torch.float32, device=x.device)
+    x, lora_a = x.contiguous(), lora_a.contiguous()
+    block_r = _p2(min(ranks, 64))
+    grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(ranks, block_r), cfg.split_k)
+    _shrink_kernel[grid](
+        x, lora_a, v, rank, sorted_tokens, seg_start, seg_len,
+        slots, k, ranks,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), v.stride(0),
+        MAX_RANK=ranks // num_slices, NUM_SLICES=num_slices, SLOTS_P2=_p2(slots, 2),
+        BLOCK_M=cfg.block_m, BLOCK_R=block_r, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+    )
+    return v
+
+
+def lora_expand(
+    y: torch.Tensor,  # (T, N) — updated in place
+    v: torch.Tensor,  # (T, num_slices * max_rank) float32
+    lora_b: torch.Tensor,  # (slots, N, max_rank)
+    scaling: torch.Tensor,  # (slots * num_slices,) float32
+    rank: torch.Tensor,  # (slots * num_slices,) int32
+    sorted_tokens: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    slice_widths: tuple[int, ...] | None = None,
+) -> None:
+    tokens, n = y.shape
+    slots, _, max_rank = lora_b.shape
+    widths = slice_widths or (n,)
+    cfg = launch_config(tokens, n)
+    lora_b = lora_b.contiguous()
+    assert y.stride(1) == 1, "the output must be contiguous along its features"
+    grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(max(widths), cfg.block_n), len(widths))
+    _expand_kernel[grid](
+        y, v, lora_b, scaling, rank, _slice_starts(tuple(widths), y.device),
+        sorted_tokens, seg_start, seg_len,
+        slots,
+        y.stride(0), v.stride(0), lora_b.stride(0), lora_b.stride(1),
+        MAX_RANK=max_rank, NUM_SLICES=len(widths), SLOTS_P2=_p2(slots, 2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_p2(max_rank),
+        IEEE=y.dtype == torch.float32, num_warps=cfg.num_warps,
+    )

@@ -1,0 +1,9 @@
+"""Whether the Triton kernels are available: Triton ships with CUDA builds of PyTorch; a
+CPU-only install runs the reference implementations and needs no Triton."""
+
+try:
+    from fxlora.kernels import sgmv
+except ImportError:  # no Triton installed
+    sgmv = None
+
+__all__ = ["sgmv"]
