@@ -75,15 +75,15 @@ def test_explain_says_what_was_rewritten(model, inputs, tmp_path):
     assert "1 prologue(s) shared by 3 LoRA op(s)" in text
 
 
-def test_lora_skipped_by_eager_fallback_is_an_error(model, inputs, tmp_path, monkeypatch):
+def test_lora_skipped_by_eager_fallback_is_an_error(model, inputs, tmp_path):
     adapter = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj"]), 0, str(tmp_path / "a"))
     cm = fxlora.compile(model, adapters={"a": adapter})
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    cm(**inputs, adapter_names=["a", None, None])
-    other = {k: v[:2, :4].clone() for k, v in inputs.items()}  # a new shape class: Dynamo gives up, runs eagerly
-    with pytest.raises(RuntimeError, match="did not run"):
-        cm(**other, adapter_names=["a", None])
+    with torch._dynamo.config.patch(recompile_limit=1):
+        cm(**inputs, adapter_names=["a", None, None])
+        other = {k: v[:2, :4].clone() for k, v in inputs.items()}  # a new shape class: Dynamo gives up, runs eagerly
+        with pytest.raises(RuntimeError, match="did not run"):
+            cm(**other, adapter_names=["a", None])
     torch._dynamo.reset()
 
 

@@ -61,16 +61,39 @@ def lora_linear(
     return y
 
 
-def _lora_linear_triton(x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len):
-    y = F.linear(x, weight, bias)
+def lora_linear_triton(
+    x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, overlap: bool = True
+):
+    """The CUDA implementation. With ``overlap`` the shrink (which reads only ``x``) runs on a
+    side stream beside the base GEMM; under CUDA-graph capture the fork and join become
+    parallel branches of the graph, so the shrink's time hides behind the GEMM."""
     x2 = x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
-    v = sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len)
+    if overlap:
+        main, side = torch.cuda.current_stream(), _side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            v = sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len)
+        y = F.linear(x, weight, bias)
+        main.wait_stream(side)
+        v.record_stream(main)
+    else:
+        v = sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len)
+        y = F.linear(x, weight, bias)
     sgmv.lora_expand(y.view(-1, y.shape[-1]), v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len)
     return y
 
 
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
 if sgmv is not None:
-    lora_linear.register_kernel("cuda")(_lora_linear_triton)
+    lora_linear.register_kernel("cuda")(lora_linear_triton)
 
 
 @lora_linear.register_fake

@@ -48,10 +48,11 @@ def replace_with(gm: fx.GraphModule, node: fx.Node, op: Callable, args: tuple) -
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(op, args)
     new.meta.update(node.meta)
+    # inputs the op shares become OpArg; others (e.g. a traced scalar option) stay nodes
     position = {a: i for i, a in enumerate(args) if isinstance(a, fx.Node)}
     new.meta[BASE_CALL] = (
         node.target,
-        *fx.node.map_aggregate((node.args, node.kwargs), lambda a: OpArg(position[a]) if isinstance(a, fx.Node) else a),
+        *fx.node.map_aggregate((node.args, node.kwargs), lambda a: OpArg(position[a]) if a in position else a),
     )
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
@@ -65,8 +66,15 @@ def meta_shape(node: Any) -> tuple | None:
     return tuple(val.shape) if hasattr(val, "shape") else None
 
 
-def base_call(node: fx.Node) -> tuple[Any, tuple, dict]:
-    """The base call a LoRA op replaced, in terms of the op's current arguments."""
+def base_call(node: fx.Node, copies: dict[fx.Node, fx.Node]) -> tuple[Any, tuple, dict]:
+    """The base call a LoRA op replaced, in terms of the op's current arguments; ``copies``
+    maps the original graph's nodes to this one's (``node`` may live in a copy)."""
     target, args, kwargs = node.meta[BASE_CALL]
-    args, kwargs = fx.node.map_aggregate((args, kwargs), lambda a: node.args[a.index] if isinstance(a, OpArg) else a)
+
+    def resolve(a: Any) -> Any:
+        if isinstance(a, OpArg):
+            return node.args[a.index]
+        return copies.get(a, a) if isinstance(a, fx.Node) else a
+
+    args, kwargs = fx.node.map_aggregate((args, kwargs), resolve)
     return target, args, kwargs

@@ -22,11 +22,12 @@ def specialize(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, fx.GraphModul
     if not any(n.target in LORA_OPS for n in gm.graph.nodes):
         return None, gm
     graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
     for node in list(graph.nodes):
         if node.target in LORA_OPS:
             with graph.inserting_before(node):
-                base = graph.call_function(*base_call(node))
+                base = graph.call_function(*base_call(node, copies))
             base.meta = {k: v for k, v in node.meta.items() if k != BASE_CALL}
             node.replace_all_uses_with(base)
             graph.erase_node(node)
