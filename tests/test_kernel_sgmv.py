@@ -74,11 +74,11 @@ def test_shrink_expand_match_reference(tokens, d_in, widths, max_rank, slots, dt
     on = lambda *t: [u.to(DEVICE) for u in t]  # noqa: E731
     x_d, y_d, a_d, b_d, scaling_d, rank_d = on(x, y, a, b, scaling, rank)
     token_slot, sorted_tokens, seg_start, seg_len = on(*meta)
-    config = data.draw(st.none() | st.builds(
-        sgmv.LaunchConfig, st.sampled_from([16, 32]), st.sampled_from([16, 32]), st.sampled_from([16, 32]), st.integers(1, 3), st.just(4)
-    ), label="config")
-    v = sgmv.lora_shrink(x_d, a_d, rank_d, sorted_tokens, seg_start, seg_len, num_slices=slices, config=config)
-    sgmv.lora_expand(y_d, v, b_d, scaling_d, rank_d, sorted_tokens, seg_start, seg_len, tuple(widths), config=config)
+    blocks = st.sampled_from([16, 32])
+    shrink = data.draw(st.none() | st.builds(sgmv.ShrinkConfig, blocks, blocks, st.integers(1, 3), st.just(4)), label="shrink")
+    expand = data.draw(st.none() | st.builds(sgmv.ExpandConfig, blocks, blocks, st.just(4)), label="expand")
+    v = sgmv.lora_shrink(x_d, a_d, rank_d, sorted_tokens, seg_start, seg_len, num_slices=slices, config=shrink)
+    sgmv.lora_expand(y_d, v, b_d, scaling_d, rank_d, sorted_tokens, seg_start, seg_len, tuple(widths), config=expand)
     torch.testing.assert_close(y_d.cpu().float(), expected.float(), **TOL[dtype])
     untouched = (meta[0] < 0).tolist()
     assert torch.equal(y_d.cpu()[untouched], y[untouched])  # no-adapter tokens are not written

@@ -63,7 +63,7 @@ def _lora_embedding_triton(ids, weight, lora_a, lora_b, scaling, rank, token_slo
     flat = ids.reshape(-1)
     # row t of v is A[slot_t, :, ids_t]; tokens without an adapter read slot 0 and are
     # skipped by the expand, which only visits the slots' segments
-    v = lora_a[token_slot.clamp(min=0).long(), :, flat].float().unsqueeze(0)  # one partial sum
+    v = lora_a[token_slot.clamp(min=0).long(), :, flat].float()
     sgmv.lora_expand(y.view(-1, y.shape[-1]), v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len)
     return y
 

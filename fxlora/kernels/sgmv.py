@@ -4,9 +4,9 @@ Tokens arrive grouped by slot (``sorted_tokens``, ``seg_start``, ``seg_len`` fro
 ``fxlora::batch_info``). Two kernels compute the LoRA delta of every token with its own
 slot's factors, as Punica's SGMV does:
 
-- shrink: ``v[t, :] = x[t] @ A[s].T`` for the tokens ``t`` of slot ``s``, float32, as
-  ``split_k`` partial sums over slices of the reduction (no atomics, no zeroing pass);
-- expand: ``y[t, cols] += scaling[s] * (sum of v's partials)[t] @ B[s, cols].T``, in place.
+- shrink: ``v[t, :] = x[t] @ A[s].T`` for the tokens ``t`` of slot ``s``, float32; the
+  reduction over ``x``'s features is split across programs that add into a zeroed ``v``;
+- expand: ``y[t, cols] += scaling[s] * v[t] @ B[s, cols].T``, in place.
 
 Several output slices of unequal width may share one input (fused ``qkv_proj``,
 ``gate_up_proj``, MLA's ``q_a_proj`` + ``kv_a_proj_with_mqa``): ``A`` then stacks each
@@ -48,7 +48,7 @@ def _shrink_kernel(
     x_ptr, a_ptr, v_ptr, rank_ptr,
     sorted_ptr, seg_start_ptr, seg_len_ptr,
     num_slots, K, RANKS,  # RANKS = num_slices * max_rank: columns of v, rows of each A[s]
-    stride_xt, stride_as, stride_ar, stride_vk, stride_vt,
+    stride_xt, stride_as, stride_ar, stride_vt,
     MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr,
@@ -78,8 +78,12 @@ def _shrink_kernel(
             acc += tl.dot(xs, at, input_precision="ieee")
         else:
             acc += tl.dot(xs, at)
-    out = v_ptr + split * stride_vk + tokens[:, None] * stride_vt + r[None, :]
-    tl.store(out, acc, mask=row_ok[:, None] & (r[None, :] < RANKS))
+    out = v_ptr + tokens[:, None] * stride_vt + r[None, :]
+    mask = row_ok[:, None] & (r[None, :] < RANKS)
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -87,9 +91,9 @@ def _expand_kernel(
     y_ptr, v_ptr, b_ptr, scaling_ptr, rank_ptr, slice_start_ptr,
     sorted_ptr, seg_start_ptr, seg_len_ptr,
     num_slots,
-    stride_yt, stride_vk, stride_vt, stride_bs, stride_bn,
+    stride_yt, stride_vt, stride_bs, stride_bn,
     MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     slot, block, length = _segment_block(tl.program_id(0), seg_len_ptr, num_slots, SLOTS_P2, BLOCK_M)
@@ -110,11 +114,7 @@ def _expand_kernel(
     cols = col0 + n
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
-    v_at = v_ptr + tokens[:, None] * stride_vt + (sl * MAX_RANK + r)[None, :]
-    v_ok = row_ok[:, None] & r_ok[None, :]
-    vs = tl.load(v_at, mask=v_ok, other=0.0)
-    for k in tl.static_range(1, SPLIT_K):
-        vs += tl.load(v_at + k * stride_vk, mask=v_ok, other=0.0)
+    vs = tl.load(v_ptr + tokens[:, None] * stride_vt + (sl * MAX_RANK + r)[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     bt = tl.load(
         b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn + r[:, None],
         mask=r_ok[:, None] & n_ok[None, :],
@@ -132,25 +132,33 @@ def _expand_kernel(
 
 
 @dataclass(frozen=True)
-class LaunchConfig:
+class ShrinkConfig:
     block_m: int
-    block_n: int
     block_k: int
     split_k: int
     num_warps: int
 
 
-_SMS = 132  # programs to aim for; the grid never depends on it, only the split does
+@dataclass(frozen=True)
+class ExpandConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
 
 
-def launch_config(tokens: int, k: int) -> LaunchConfig:
-    """Launch parameters per shape class. The shrink's reduction over ``k`` is split so that
-    about two programs per SM run even when few token blocks exist (decode)."""
-    block_m, block_n = (16, 64) if tokens <= 64 else (32, 64) if tokens <= 512 else (64, 128)
-    block_k = 128 if tokens <= 64 else 64
-    blocks = triton.cdiv(tokens, block_m) + 1
-    split_k = max(1, min(k // (2 * block_k), triton.next_power_of_2(triton.cdiv(2 * _SMS, blocks))))
-    return LaunchConfig(block_m, block_n, block_k, split_k, 4)
+# Chosen per shape class from benchmarks/sgmv_tune.py on an H100 (bf16, K = N = 4096):
+# small token counts split the shrink's reduction widely so that enough programs run;
+# the expand wants wide output tiles, wider still for large ranks.
+def shrink_config(tokens: int, k: int) -> ShrinkConfig:
+    if tokens <= 512:
+        return ShrinkConfig(16, 64, max(1, min(16, k // 64)), 2)
+    return ShrinkConfig(64, 64, max(1, min(8, k // 64)), 4)
+
+
+def expand_config(tokens: int, rank: int) -> ExpandConfig:
+    if tokens <= 512:
+        return ExpandConfig(16, 256 if rank > 32 else 128, 4)
+    return ExpandConfig(64, 256, 8) if rank > 32 else ExpandConfig(32, 256, 4)
 
 
 @lru_cache(maxsize=None)
@@ -173,21 +181,20 @@ def lora_shrink(
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
     num_slices: int = 1,
-    config: LaunchConfig | None = None,
+    config: ShrinkConfig | None = None,
 ) -> torch.Tensor:
-    """``v`` (split_k, T, num_slices * max_rank), float32 partial sums; only rows of tokens
-    with an adapter, and ranks that slot has, are written."""
+    """``v`` (T, num_slices * max_rank), float32; rows of tokens without an adapter are zero."""
     tokens, k = x.shape
     slots, ranks, _ = lora_a.shape
-    cfg = config or launch_config(tokens, k)
-    v = torch.empty(cfg.split_k, tokens, ranks, dtype=torch.float32, device=x.device)
+    cfg = config or shrink_config(tokens, k)
+    v = torch.zeros(tokens, ranks, dtype=torch.float32, device=x.device)
     x, lora_a = x.contiguous(), lora_a.contiguous()
     block_r = _p2(min(ranks, 64))
     grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(ranks, block_r), cfg.split_k)
     _shrink_kernel[grid](
         x, lora_a, v, rank, sorted_tokens, seg_start, seg_len,
         slots, k, ranks,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), v.stride(0), v.stride(1),
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), v.stride(0),
         MAX_RANK=ranks // num_slices, NUM_SLICES=num_slices, SLOTS_P2=_p2(slots, 2),
         BLOCK_M=cfg.block_m, BLOCK_R=block_r, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
@@ -197,7 +204,7 @@ def lora_shrink(
 
 def lora_expand(
     y: torch.Tensor,  # (T, N) — updated in place
-    v: torch.Tensor,  # (split_k, T, num_slices * max_rank) float32, from lora_shrink
+    v: torch.Tensor,  # (T, num_slices * max_rank) float32, from lora_shrink
     lora_b: torch.Tensor,  # (slots, N, max_rank)
     scaling: torch.Tensor,  # (slots * num_slices,) float32
     rank: torch.Tensor,  # (slots * num_slices,) int32
@@ -205,12 +212,12 @@ def lora_expand(
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
     slice_widths: tuple[int, ...] | None = None,
-    config: LaunchConfig | None = None,
+    config: ExpandConfig | None = None,
 ) -> None:
     tokens, n = y.shape
     slots, _, max_rank = lora_b.shape
     widths = slice_widths or (n,)
-    cfg = config or launch_config(tokens, n)
+    cfg = config or expand_config(tokens, max_rank)
     lora_b = lora_b.contiguous()
     assert y.stride(1) == 1, "the output must be contiguous along its features"
     grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(max(widths), cfg.block_n), len(widths))
@@ -218,8 +225,8 @@ def lora_expand(
         y, v, lora_b, scaling, rank, _slice_starts(tuple(widths), y.device),
         sorted_tokens, seg_start, seg_len,
         slots,
-        y.stride(0), v.stride(0), v.stride(1), lora_b.stride(0), lora_b.stride(1),
+        y.stride(0), v.stride(0), lora_b.stride(0), lora_b.stride(1),
         MAX_RANK=max_rank, NUM_SLICES=len(widths), SLOTS_P2=_p2(slots, 2),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_p2(max_rank), SPLIT_K=v.shape[0],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_p2(max_rank),
         IEEE=y.dtype == torch.float32, num_warps=cfg.num_warps,
     )
