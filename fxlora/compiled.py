@@ -69,7 +69,8 @@ class CompiledModel(torch.nn.Module):
         if missing:
             raise RuntimeError(
                 f"the LoRA of {len(missing)} module(s), e.g. {sorted(missing)[0]!r}, did not run: that code ran "
-                "outside the compiled graphs (a graph break, or Dynamo's recompile limit was hit). "
+                "outside the compiled graphs (a graph break, or Dynamo's recompile limit was hit: each "
+                "fxlora.compile of a model class adds entries, see torch._dynamo.config.recompile_limit). "
                 "See explain() and TORCH_LOGS=graph_breaks,recompiles."
             )
         return out

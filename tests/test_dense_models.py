@@ -17,6 +17,7 @@ from fxlora.testing import (
     adapter_sets,
     assert_matches_peft,
     batches,
+    layered_module_names,
     lora_module_names,
     make_adapter,
     row_errors,
@@ -32,6 +33,7 @@ class Served:
     model: torch.nn.Module
     cm: fxlora.CompiledModel
     targets: list[str]
+    layered: list[str]
 
     def load(self, adapters: dict) -> None:
         for name in self.cm.adapter_names:
@@ -46,11 +48,11 @@ def served(request):
     model = tiny_model(request.param, seed=len(request.param))
     targets = lora_module_names(model)
     cm = fxlora.compile(model, target_modules=targets, max_loras=MAX_LORAS, max_rank=MAX_RANK, dynamic=True)
-    return Served(request.param, model, cm, targets)
+    return Served(request.param, model, cm, targets, layered_module_names(model))
 
 
 def draw_adapters(data, served: Served, directory: str) -> dict:
-    configs = data.draw(adapter_sets(served.targets, max_rank=MAX_RANK), label="configs")
+    configs = data.draw(adapter_sets(served.targets, served.layered, max_rank=MAX_RANK), label="configs")
     in_memory = data.draw(st.booleans(), label="in_memory")
     return {
         f"ad{i}": make_adapter(
@@ -119,11 +121,12 @@ def test_rows_are_independent(served, data):
 def test_unload_load_reload_without_recompiles(served, tmp_path):
     from peft import LoraConfig
 
-    some = [t for t in served.targets if t not in ("embed_tokens", "lm_head")]
+    some = served.layered
+    ends = sorted(set(served.targets) - set(some))  # embeddings and the output head
     adapters = {
         "x": make_adapter(served.model, LoraConfig(r=4, lora_alpha=8, target_modules=some[:2]), 1, str(tmp_path / "x")),
         "y": make_adapter(served.model, LoraConfig(r=8, lora_alpha=4, target_modules=some[1:]), 2, ""),
-        "z": make_adapter(served.model, LoraConfig(r=2, lora_alpha=2, target_modules=["embed_tokens", "lm_head"]), 3, ""),
+        "z": make_adapter(served.model, LoraConfig(r=2, lora_alpha=2, target_modules=ends), 3, ""),
     }
     served.load(adapters)
     ids = torch.randint(3, served.model.config.vocab_size, (3, 5))

@@ -40,6 +40,11 @@ class ModuleInfo:
 
     @staticmethod
     def of(module: torch.nn.Module) -> ModuleInfo | None:
+        from transformers.pytorch_utils import Conv1D
+
+        if isinstance(module, Conv1D):  # a linear whose weight is stored (in, out)
+            w = module.weight
+            return ModuleInfo("linear", w.shape[0], w.shape[1], w.dtype, w.device, None)
         if isinstance(module, torch.nn.Linear):
             return ModuleInfo("linear", module.in_features, module.out_features, module.weight.dtype, module.weight.device, module.weight)
         if isinstance(module, torch.nn.Embedding):
@@ -48,7 +53,7 @@ class ModuleInfo:
 
 
 def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
-    """Every linear and embedding module of ``model`` by FQN."""
+    """Every linear (``nn.Linear``, transformers' ``Conv1D``) and embedding module of ``model``."""
     return {name: info for name, m in model.named_modules() if (info := ModuleInfo.of(m)) is not None}
 
 
@@ -142,7 +147,7 @@ class AdapterPool:
         for fqn in adapter.modules.keys() - modules:
             raise AdapterError(
                 f"adapter {adapter.name!r} ({adapter.source}): targets module {fqn!r}, which the model lacks "
-                "(or which is not an nn.Linear / nn.Embedding)"
+                "(or which is not an nn.Linear, transformers Conv1D or nn.Embedding)"
             )
 
     def _check_module(self, adapter: LoraAdapter, fqn: str, info: ModuleInfo) -> None:

@@ -34,7 +34,12 @@ def batch_info(
     leading = tokens.shape[0] if tokens.dim() - feature_dims >= 2 else None
     if rows == 0 or count % rows or (leading is not None and leading != rows):
         found = f"{leading} rows" if leading is not None else f"{count} tokens, which do not split into {rows} rows"
-        raise AdapterError(f"adapter_names has {rows} entries but the batch has {found}")
+        hint = (
+            " (a LoRA target whose input one row shares with all, such as a position embedding, cannot differ per row)"
+            if leading == 1
+            else ""
+        )
+        raise AdapterError(f"adapter_names has {rows} entries but the batch has {found}{hint}")
     token_slot = slot_ids.to(torch.int32).repeat_interleave(count // rows)
     key = torch.where(token_slot < 0, num_slots, token_slot).to(torch.int64)
     sorted_tokens = torch.argsort(key, stable=True).to(torch.int32)

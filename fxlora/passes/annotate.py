@@ -62,6 +62,8 @@ def modules_in_graph(gm: fx.GraphModule) -> dict[str, ModuleInfo]:
             continue
         if node.target in _LINEAR:
             kind, weight = "linear", call_arg(node, 1, "weight")
+        elif is_conv1d_addmm(node):
+            kind, weight = "conv1d", call_arg(node, 2, "mat2")
         elif node.target is F.embedding:
             kind, weight = "embedding", call_arg(node, 1, "weight")
         else:
@@ -71,5 +73,13 @@ def modules_in_graph(gm: fx.GraphModule) -> dict[str, ModuleInfo]:
             continue
         rows, cols = val.shape
         in_f, out_f = (cols, rows) if kind == "linear" else (rows, cols)
-        found[fqn] = ModuleInfo(kind, int(in_f), int(out_f), val.dtype, val.device)
+        found[fqn] = ModuleInfo("embedding" if kind == "embedding" else "linear", int(in_f), int(out_f), val.dtype, val.device)
     return found
+
+
+def is_conv1d_addmm(node: fx.Node) -> bool:
+    """``torch.addmm(bias, x, weight)`` inside transformers' ``Conv1D`` (GPT-2's linear)."""
+    from transformers.pytorch_utils import Conv1D
+
+    module_type = node.meta.get("fxlora_module_type")
+    return node.target is torch.addmm and isinstance(module_type, type) and issubclass(module_type, Conv1D)

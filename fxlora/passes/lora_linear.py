@@ -2,7 +2,9 @@
 
 Matches ``torch._C._nn.linear`` / ``F.linear`` / ``aten.linear`` nodes that ``annotate``
 attributed to a module the adapter pool targets, and replaces each with
-``fxlora::lora_linear(x, weight, bias, lora_a, lora_b, scaling, rank, *batch_info)``. A module
+``fxlora::lora_linear(x, weight, bias, lora_a, lora_b, scaling, rank, *batch_info)``. The
+``torch.addmm(bias, x, weight)`` of transformers' ``Conv1D`` (GPT-2), whose weight is stored
+transposed, becomes the same op on ``weight.t()``. A module
 whose forward calls linear more than once, or whose weight shape differs from the pool's,
 is left alone and reported. Linears of modules no adapter targets are untouched.
 """
@@ -15,9 +17,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from fxlora.passes.annotate import is_conv1d_addmm
 from fxlora.passes.batch_info import batch_info_for
 from fxlora.passes.context import PassContext
-from fxlora.passes.graph_edit import call_arg, meta_shape, pool_nodes, replace_with
+from fxlora.passes.graph_edit import ADDED, call_arg, meta_shape, pool_nodes, replace_with
 
 LINEAR = {torch._C._nn.linear, F.linear, torch.ops.aten.linear.default}
 
@@ -26,7 +29,7 @@ def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     calls: dict[str, list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
         fqn = node.meta.get("fxlora_module")
-        if node.op == "call_function" and node.target in LINEAR and fqn in ctx.pool.targets:
+        if node.op == "call_function" and (node.target in LINEAR or is_conv1d_addmm(node)) and fqn in ctx.pool.targets:
             calls[fqn].append(node)
     for fqn, nodes in calls.items():
         target = ctx.pool.targets[fqn]
@@ -36,12 +39,19 @@ def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             ctx.note(f"skipped {fqn}: its forward calls linear {len(nodes)} times")
             continue
         node = nodes[0]
-        x, weight, bias = call_arg(node, 0, "input"), call_arg(node, 1, "weight"), call_arg(node, 2, "bias")
+        conv1d = node.target is torch.addmm
+        if conv1d:
+            bias, x, weight = call_arg(node, 0, "input"), call_arg(node, 1, "mat1"), call_arg(node, 2, "mat2")
+        else:
+            x, weight, bias = call_arg(node, 0, "input"), call_arg(node, 1, "weight"), call_arg(node, 2, "bias")
         shape, want = meta_shape(weight), (target.info.out_features, target.info.in_features)
-        if shape is not None and shape != want:
-            ctx.note(f"skipped {fqn}: linear weight {shape} is not the module's {want}")
+        if shape is not None and shape != (want[::-1] if conv1d else want):
+            ctx.note(f"skipped {fqn}: linear weight {shape} does not fit the module's {want}")
             continue
         with gm.graph.inserting_before(node):
+            if conv1d:
+                weight = gm.graph.call_function(torch.t, (weight,))
+                weight.meta[ADDED] = True
             args = (x, weight, bias, *pool_nodes(gm, target), *batch_info_for(gm, ctx, x, feature_dims=1))
         replace_with(gm, node, torch.ops.fxlora.lora_linear.default, args)
         ctx.rewritten[fqn] = "fxlora::lora_linear"

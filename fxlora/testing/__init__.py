@@ -1,7 +1,14 @@
 """Property-testing tools for fxlora and for users' own models: hypothesis strategies,
 tiny random models and adapters, and the PEFT oracle."""
 
-from fxlora.testing.models import FAMILIES, lora_module_names, make_adapter, tiny_config, tiny_model
+from fxlora.testing.models import (
+    FAMILIES,
+    layered_module_names,
+    lora_module_names,
+    make_adapter,
+    tiny_config,
+    tiny_model,
+)
 from fxlora.testing.oracle import (
     KL_TOL,
     RTOL,
@@ -20,6 +27,7 @@ __all__ = [
     "adapter_sets",
     "assert_matches_peft",
     "batches",
+    "layered_module_names",
     "lora_configs",
     "lora_module_names",
     "make_adapter",

@@ -8,6 +8,7 @@ values and returns the adapter saved to a directory or as ``(config, state_dict)
 from __future__ import annotations
 
 import copy
+import re
 import tempfile
 from typing import Any
 
@@ -23,6 +24,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma2": dict(model_type="gemma2"),
     "gemma3": dict(model_type="gemma3_text"),
     "phi3": dict(model_type="phi3"),
+    "gpt2": dict(model_type="gpt2"),  # Conv1D linears: weights stored (in, out), fan_in_fan_out
 }
 
 
@@ -40,6 +42,11 @@ def tiny_config(
 
     kw = dict(FAMILIES[family])
     model_type = kw.pop("model_type")
+    if model_type == "gpt2":
+        return AutoConfig.for_model(
+            "gpt2", n_embd=hidden_size, n_layer=num_hidden_layers, n_head=num_attention_heads, n_inner=intermediate_size,
+            vocab_size=vocab_size, n_positions=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )
     return AutoConfig.for_model(
         model_type,
         hidden_size=hidden_size,
@@ -66,13 +73,20 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
 
 
 def lora_module_names(model: torch.nn.Module) -> list[str]:
-    """Short names (``q_proj``, ``embed_tokens``, ...) of every linear and embedding module."""
-    names = {
-        name.rsplit(".", 1)[-1]
-        for name, m in model.named_modules()
-        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and name
-    }
-    return sorted(names)
+    """Short names (``q_proj``, ``embed_tokens``, ...) of every linear and embedding module
+    that sees one input per row: position embeddings, whose ids all rows share, are left out."""
+    from fxlora.adapters import model_modules
+
+    shared = {"wpe", "embed_positions"}
+    return sorted({n for name in model_modules(model) if (n := name.rsplit(".", 1)[-1]) not in shared})
+
+
+def layered_module_names(model: torch.nn.Module) -> list[str]:
+    """The short names of :func:`lora_module_names` that live inside numbered layers (the ones
+    ``layers_to_transform`` can select)."""
+    from fxlora.adapters import model_modules
+
+    return sorted({name.rsplit(".", 1)[-1] for name in model_modules(model) if re.search(r"\.\d+\.", name)})
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-# Relative error per row (max |out - ref| / max |ref|), float32.
+# Relative error per row (||out - ref|| / ||ref||), float32.
 RTOL = {torch.float32: 1e-5}
 # Per-token KL(ref || out) of the log-softmax, half precision.
 KL_TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3}
@@ -72,8 +72,8 @@ def reference_logits(
 
 
 def row_errors(out: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor | None = None) -> list[float]:
-    """Per row: relative error (float32) or the largest per-token KL (half precision),
-    over the positions ``mask`` keeps."""
+    """Per row: relative error ``||out - ref|| / ||ref||`` (float32) or the largest per-token
+    KL (half precision), over the positions ``mask`` keeps."""
     errors = []
     for i in range(out.shape[0]):
         keep = mask[i].bool() if mask is not None else torch.ones(out.shape[1], dtype=torch.bool)
@@ -82,7 +82,7 @@ def row_errors(out: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor | None =
             logp_r, logp_o = torch.log_softmax(r, -1), torch.log_softmax(o, -1)
             errors.append((logp_r.exp() * (logp_r - logp_o)).sum(-1).max().item())
         else:
-            errors.append(((o - r).abs().max() / r.abs().max().clamp_min(1e-30)).item())
+            errors.append(((o - r).norm() / r.norm().clamp_min(1e-30)).item())
     return errors
 
 

@@ -16,9 +16,6 @@ from peft import LoraConfig
 
 from fxlora.testing.models import FAMILIES, tiny_config
 
-_LAYERLESS = {"embed_tokens", "lm_head"}
-
-
 @st.composite
 def model_configs(draw, families: Sequence[str] = tuple(FAMILIES)):
     """``(family, config)`` for a tiny random decoder of one of ``families``."""
@@ -38,34 +35,52 @@ def model_configs(draw, families: Sequence[str] = tuple(FAMILIES)):
 
 
 @st.composite
-def lora_configs(draw, targets: Sequence[str], max_rank: int = 32, num_layers: int = 2):
-    """A ``LoraConfig`` over a subset of ``targets`` (short module names)."""
+def lora_configs(draw, targets: Sequence[str], layered: Sequence[str], max_rank: int = 32, num_layers: int = 2):
+    """A ``LoraConfig`` over a subset of ``targets`` (short module names); ``layered`` are
+    those inside numbered layers. Targets come as a list, a regex or ``"all-linear"``, with
+    optional ``exclude_modules`` and ``layers_to_transform``."""
     ranks = st.integers(1, max_rank)
     alphas = st.sampled_from([1, 2, 8, 16, 32]) | st.floats(0.25, 64, allow_nan=False)
-    if draw(st.integers(0, 9)) == 0:
+    style = draw(st.sampled_from(["list"] * 6 + ["regex", "all-linear", "exclude"]))
+    exclude = None
+    if style == "all-linear":
         chosen: list[str] | str = "all-linear"
-        named = [t for t in targets if t not in _LAYERLESS]
+        named = list(layered)
     else:
-        chosen = named = draw(st.lists(st.sampled_from(list(targets)), min_size=1, max_size=len(targets), unique=True))
-    layered = [t for t in named if t not in _LAYERLESS]
+        named = draw(st.lists(st.sampled_from(list(targets)), min_size=1, max_size=len(targets), unique=True))
+        chosen = named
+        if style == "regex":  # PEFT full-matches a string against module FQNs
+            chosen = r"(.*\.)?(" + "|".join(named) + ")"
+        elif style == "exclude" and len(named) > 1:
+            exclude = [named[-1]]
+            named = named[:-1]
     layers = None
-    if layered and isinstance(chosen, list) and set(chosen) == set(layered) and draw(st.booleans()):
+    if isinstance(chosen, list) and exclude is None and set(chosen) <= set(layered) and draw(st.booleans()):
         layers = draw(st.lists(st.integers(0, num_layers - 1), min_size=1, unique=True))
     pattern_keys = st.lists(st.sampled_from(named), max_size=2, unique=True) if named else st.just([])
     return LoraConfig(
         r=draw(ranks),
         lora_alpha=draw(alphas),
         use_rslora=draw(st.booleans()),
+        fan_in_fan_out=draw(st.booleans()),  # PEFT corrects it per layer type; it only matters for merging
         target_modules=chosen,
+        exclude_modules=exclude,
         layers_to_transform=layers,
         rank_pattern={k: draw(ranks) for k in draw(pattern_keys)},
         alpha_pattern={k: draw(alphas) for k in draw(pattern_keys)},
     )
 
 
-def adapter_sets(targets: Sequence[str], min_size: int = 2, max_size: int = 5, max_rank: int = 32, num_layers: int = 2):
+def adapter_sets(
+    targets: Sequence[str],
+    layered: Sequence[str],
+    min_size: int = 2,
+    max_size: int = 5,
+    max_rank: int = 32,
+    num_layers: int = 2,
+):
     """A list of 2..5 ``LoraConfig`` (each adapter its own targets and ranks)."""
-    return st.lists(lora_configs(targets, max_rank, num_layers), min_size=min_size, max_size=max_size)
+    return st.lists(lora_configs(targets, layered, max_rank, num_layers), min_size=min_size, max_size=max_size)
 
 
 @dataclass(frozen=True)
