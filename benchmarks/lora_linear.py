@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.testing
 
-from fxlora.kernels import batch_info
-from fxlora.kernels import sgmv
+from fxlora.kernels import batch_info, sgmv
 
 DTYPE = torch.bfloat16
 SIDE = None  # side stream for the shrink, made once CUDA is up

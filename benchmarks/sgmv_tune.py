@@ -47,7 +47,7 @@ def main() -> None:
                 continue
             cfg = sgmv.ShrinkConfig(bm, bk, split, warps)
             try:
-                t = us(lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, config=cfg))
+                t = us(lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, config=cfg))  # noqa: B023 (called at once)
             except Exception as e:  # out of resources for this config
                 print("skip", cfg, type(e).__name__)
                 continue
@@ -60,7 +60,7 @@ def main() -> None:
                 continue
             cfg = sgmv.ExpandConfig(bm, bn, warps)
             try:
-                t = us(lambda: sgmv.lora_expand(y, v, b, scaling, ranks, order, start, length, config=cfg))
+                t = us(lambda: sgmv.lora_expand(y, v, b, scaling, ranks, order, start, length, config=cfg))  # noqa: B023
             except Exception as e:
                 print("skip", cfg, type(e).__name__)
                 continue

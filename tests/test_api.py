@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import fxlora
-from fxlora.testing import assert_matches_peft, make_adapter, tiny_model
+from fxlora.testing import make_adapter, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -60,3 +60,12 @@ def _(slot_ids, tokens, feature_dims, num_slots):
         slot_ids.new_empty(num_slots, **i32),
         slot_ids.new_empty(num_slots, **i32),
     )
+
+
+def slot_groups(token_slot: torch.Tensor, rank: torch.Tensor):
+    """``(slot, rank, token indices)`` for every slot present with a nonzero rank. Reads
+    device values on the host: for the reference implementations only."""
+    ranks = rank.tolist()
+    for s in torch.unique(token_slot[token_slot >= 0]).tolist():
+        if ranks[s]:
+            yield s, ranks[s], (token_slot == s).nonzero().squeeze(1)

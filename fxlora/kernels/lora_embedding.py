@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fxlora.kernels.batch_info import slot_groups
 from fxlora.kernels.triton_support import sgmv
 
 
@@ -26,13 +27,7 @@ def lora_embedding_delta_reference(
     token_slot: torch.Tensor,
 ) -> None:
     """Add the delta into ``y`` (``(T, dim)``) for flat ``ids`` (``(T,)``), one slot at a time."""
-    present = torch.unique(token_slot[token_slot >= 0]).tolist()
-    ranks = rank.tolist()
-    for s in present:
-        r = ranks[s]
-        if r == 0:
-            continue
-        idx = (token_slot == s).nonzero().squeeze(1)
+    for s, r, idx in slot_groups(token_slot, rank):
         after_a = F.embedding(ids.index_select(0, idx), lora_a[s, :r].T)
         delta = after_a @ lora_b[s, :, :r].T
         y.index_add_(0, idx, (delta * scaling[s].to(delta.dtype)).to(y.dtype))

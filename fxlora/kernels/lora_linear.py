@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fxlora.kernels.batch_info import slot_groups
 from fxlora.kernels.triton_support import sgmv
 
 
@@ -28,13 +29,7 @@ def lora_delta_reference(
 ) -> None:
     """Add the LoRA delta into ``y`` (``(T, out)``) for ``x`` (``(T, in)``), one slot at a time,
     with the same operations and order as PEFT. Reads slot ids on the host."""
-    present = torch.unique(token_slot[token_slot >= 0]).tolist()
-    ranks = rank.tolist()
-    for s in present:
-        r = ranks[s]
-        if r == 0:
-            continue
-        idx = (token_slot == s).nonzero().squeeze(1)
+    for s, r, idx in slot_groups(token_slot, rank):
         xs = x.index_select(0, idx).to(lora_a.dtype)
         delta = (xs @ lora_a[s, :r].T) @ lora_b[s, :, :r].T
         y.index_add_(0, idx, (delta * scaling[s].to(delta.dtype)).to(y.dtype))

@@ -22,7 +22,7 @@ they can be captured in a CUDA graph and replayed with other assignments.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 import triton
@@ -161,7 +161,7 @@ def expand_config(tokens: int, rank: int) -> ExpandConfig:
     return ExpandConfig(64, 256, 8) if rank > 32 else ExpandConfig(32, 256, 4)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
     starts = [0]
     for w in widths:

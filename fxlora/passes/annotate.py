@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import re
 
-import torch.fx as fx
-
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from fxlora.adapters import ModuleInfo

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import re
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
 from fxlora.adapters import PoolTarget
+
+if TYPE_CHECKING:
+    from fxlora.passes.context import PassContext
 
 ADDED = "fxlora_added"  # meta flag on every node a pass inserts; specialize strips them
 BASE_CALL = "fxlora_base"  # meta on a LoRA op: (target, args, kwargs) of the base call it replaced
@@ -20,6 +25,26 @@ class OpArg:
     follows later rewrites of its inputs."""
 
     index: int
+
+
+def base_calls(
+    gm: fx.GraphModule, ctx: PassContext, kind: str, is_base: Callable[[fx.Node], bool]
+) -> Iterator[tuple[PoolTarget, fx.Node]]:
+    """The one base call (``is_base``) of each pool target of ``kind``; a module whose
+    forward makes several is reported and left alone."""
+    calls: dict[str, list[fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        fqn = node.meta.get("fxlora_module")
+        if node.op == "call_function" and fqn in ctx.pool.targets and is_base(node):
+            calls[fqn].append(node)
+    for fqn, nodes in calls.items():
+        target = ctx.pool.targets[fqn]
+        if target.info.kind != kind:
+            continue
+        if len(nodes) > 1:
+            ctx.note(f"skipped {fqn}: its forward makes {len(nodes)} {kind} calls")
+            continue
+        yield target, nodes[0]
 
 
 def pool_nodes(gm: fx.GraphModule, target: PoolTarget) -> list[fx.Node]:

@@ -10,33 +10,20 @@ rewrites the weight) are left alone and reported.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from fxlora.passes.batch_info import batch_info_for
 from fxlora.passes.context import PassContext
-from fxlora.passes.graph_edit import call_arg, pool_nodes, replace_with
+from fxlora.passes.graph_edit import base_calls, call_arg, pool_nodes, replace_with
 
 EMBEDDING = {F.embedding, torch.ops.aten.embedding.default}
 
 
 def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    calls: dict[str, list[fx.Node]] = defaultdict(list)
-    for node in gm.graph.nodes:
-        fqn = node.meta.get("fxlora_module")
-        if node.op == "call_function" and node.target in EMBEDDING and fqn in ctx.pool.targets:
-            calls[fqn].append(node)
-    for fqn, nodes in calls.items():
-        target = ctx.pool.targets[fqn]
-        if target.info.kind != "embedding":
-            continue
-        if len(nodes) > 1:
-            ctx.note(f"skipped {fqn}: its forward calls embedding {len(nodes)} times")
-            continue
-        node = nodes[0]
+    for target, node in list(base_calls(gm, ctx, "embedding", lambda n: n.target in EMBEDDING)):
+        fqn = target.fqn
         if node.target is F.embedding and call_arg(node, 3, "max_norm") is not None:
             ctx.note(f"skipped {fqn}: embedding with max_norm renormalises its weight in place")
             continue

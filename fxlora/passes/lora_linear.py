@@ -11,8 +11,6 @@ is left alone and reported. Linears of modules no adapter targets are untouched.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -20,25 +18,14 @@ import torch.nn.functional as F
 from fxlora.passes.annotate import is_conv1d_addmm
 from fxlora.passes.batch_info import batch_info_for
 from fxlora.passes.context import PassContext
-from fxlora.passes.graph_edit import ADDED, call_arg, meta_shape, pool_nodes, replace_with
+from fxlora.passes.graph_edit import ADDED, base_calls, call_arg, meta_shape, pool_nodes, replace_with
 
 LINEAR = {torch._C._nn.linear, F.linear, torch.ops.aten.linear.default}
 
 
 def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    calls: dict[str, list[fx.Node]] = defaultdict(list)
-    for node in gm.graph.nodes:
-        fqn = node.meta.get("fxlora_module")
-        if node.op == "call_function" and (node.target in LINEAR or is_conv1d_addmm(node)) and fqn in ctx.pool.targets:
-            calls[fqn].append(node)
-    for fqn, nodes in calls.items():
-        target = ctx.pool.targets[fqn]
-        if target.info.kind != "linear":
-            continue
-        if len(nodes) > 1:
-            ctx.note(f"skipped {fqn}: its forward calls linear {len(nodes)} times")
-            continue
-        node = nodes[0]
+    for target, node in list(base_calls(gm, ctx, "linear", lambda n: n.target in LINEAR or is_conv1d_addmm(n))):
+        fqn = target.fqn
         conv1d = node.target is torch.addmm
         if conv1d:
             bias, x, weight = call_arg(node, 0, "input"), call_arg(node, 1, "mat1"), call_arg(node, 2, "mat2")

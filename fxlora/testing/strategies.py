@@ -16,6 +16,7 @@ from peft import LoraConfig
 
 from fxlora.testing.models import FAMILIES, tiny_config
 
+
 @st.composite
 def model_configs(draw, families: Sequence[str] = tuple(FAMILIES)):
     """``(family, config)`` for a tiny random decoder of one of ``families``."""
