@@ -10,6 +10,7 @@ so every graph of one ``torch.compile`` call shares its adapters.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -55,7 +56,7 @@ class Backend:
         devices = {self.pool.targets[fqn].info.device for fqn in ctx.rewritten}
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
         router = Router(lora, nolora, self.pool, device)
-        kinds = {op: sum(1 for v in ctx.rewritten.values() if v == op) for op in set(ctx.rewritten.values())}
+        kinds = Counter(ctx.rewritten.values())
         summary = ", ".join(f"{n} x {op}" for op, n in sorted(kinds.items())) or "no LoRA ops"
         ctx.report.insert(0, f"graph {len(self.routers)}: {summary}")
         self.routers.append(router)

@@ -17,7 +17,17 @@ from fxlora.testing.oracle import (
     reference_logits,
     row_errors,
 )
-from fxlora.testing.strategies import Batch, adapter_sets, batches, lora_configs, model_configs
+
+_STRATEGIES = ("Batch", "adapter_sets", "batches", "lora_configs", "model_configs")
+
+
+def __getattr__(name: str):
+    # the hypothesis strategies load on first use, so the rest works without hypothesis installed
+    if name in _STRATEGIES:
+        from fxlora.testing import strategies
+
+        return getattr(strategies, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "FAMILIES",
