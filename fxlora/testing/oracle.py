@@ -1,8 +1,9 @@
-"""The correctness oracle: PEFT, one adapter at a time, on the rows that use it.
+"""The correctness oracles: PEFT, one adapter at a time, on the rows that use it; and the
+model with one adapter merged into a copy of its weights.
 
 For a mixed batch the reference output of a row is what PEFT gives with that row's adapter
 active (the unmodified model for ``None`` rows), computed on the sub-batch of rows sharing
-the adapter. Tolerances live here, one per dtype: float32 compares by relative error,
+the adapter. The merged oracle needs no PEFT at all: ``W + scaling · B @ A`` per module. Tolerances live here, one per dtype: float32 compares by relative error,
 float16 / bfloat16 by the KL divergence of the per-token log-probabilities.
 """
 
@@ -65,6 +66,39 @@ def reference_logits(
         else:
             peft_model.set_adapter(name)
             logits = peft_model(**rows).logits
+        if out is None:
+            out = logits.new_empty((len(adapter_names), *logits.shape[1:]))
+        out[index] = logits
+    return out
+
+
+@torch.no_grad()
+def merged_model(model: torch.nn.Module, adapter: Any) -> torch.nn.Module:
+    """A copy of ``model`` with ``adapter`` (anything :func:`fxlora.adapters.read_adapter`
+    takes) folded into its weights: ``W += scaling * B @ A`` for every module it touches."""
+    from transformers.pytorch_utils import Conv1D
+
+    from fxlora.adapters import read_adapter
+
+    merged = copy.deepcopy(model)
+    for fqn, f in read_adapter("merged", adapter).modules.items():
+        module = merged.get_submodule(fqn)
+        delta = f.scaling * (f.b.double() @ f.a.double())  # (out, in); for an embedding (dim, vocab)
+        if isinstance(module, (Conv1D, torch.nn.Embedding)):  # weights stored (in, out) / (vocab, dim)
+            delta = delta.T
+        # a new tensor, not in place: tied weights (lm_head and embed_tokens) stay the base's
+        # in the other module, as with unmerged LoRA
+        module.weight = torch.nn.Parameter(module.weight + delta.to(module.weight.dtype), requires_grad=False)
+    return merged.eval()
+
+
+def merged_logits(model: torch.nn.Module, adapters: Mapping[str, Any], adapter_names: Sequence[str | None], **inputs: Any) -> torch.Tensor:
+    """Logits of every row from ``model`` with the row's adapter merged in (``None``: as is)."""
+    out = None
+    for name in dict.fromkeys(adapter_names):
+        index = [i for i, n in enumerate(adapter_names) if n == name]
+        with torch.no_grad():
+            logits = (model if name is None else merged_model(model, adapters[name]))(**_rows(inputs, index)).logits
         if out is None:
             out = logits.new_empty((len(adapter_names), *logits.shape[1:]))
         out[index] = logits
