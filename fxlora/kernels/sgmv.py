@@ -73,11 +73,12 @@ def _shrink_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         xs = tl.load(x_ptr + tokens[:, None] * stride_xt + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_base + r[None, :] * stride_ar + k[:, None], mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+        # A[s] rows are contiguous along k: load them as stored, transpose in registers
+        a = tl.load(a_base + r[:, None] * stride_ar + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         if IEEE:
-            acc += tl.dot(xs, at, input_precision="ieee")
+            acc += tl.dot(xs, tl.trans(a), input_precision="ieee")
         else:
-            acc += tl.dot(xs, at)
+            acc += tl.dot(xs, tl.trans(a))
     out = v_ptr + tokens[:, None] * stride_vt + r[None, :]
     mask = row_ok[:, None] & (r[None, :] < RANKS)
     if SPLIT_K == 1:
@@ -115,15 +116,16 @@ def _expand_kernel(
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
     vs = tl.load(v_ptr + tokens[:, None] * stride_vt + (sl * MAX_RANK + r)[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-    bt = tl.load(
-        b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn + r[:, None],
-        mask=r_ok[:, None] & n_ok[None, :],
+    # B[s] rows are contiguous along the rank: load them as stored, transpose in registers
+    b = tl.load(
+        b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + r[None, :],
+        mask=n_ok[:, None] & r_ok[None, :],
         other=0.0,
     )
     if IEEE:
-        delta = tl.dot(vs, bt.to(tl.float32), input_precision="ieee")
+        delta = tl.dot(vs, tl.trans(b.to(tl.float32)), input_precision="ieee")
     else:
-        delta = tl.dot(vs.to(bt.dtype), bt)
+        delta = tl.dot(vs.to(b.dtype), tl.trans(b))
     delta *= tl.load(scaling_ptr + slot * NUM_SLICES + sl)
     out = y_ptr + tokens[:, None] * stride_yt + cols[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
