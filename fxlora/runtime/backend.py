@@ -90,7 +90,3 @@ def fxlora_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mappi
         _BACKENDS[id(options)] = (options, Backend.from_options(options))
     return _BACKENDS[id(options)][1](gm, example_inputs)
 
-
-def backend_for_options(options: Mapping[str, Any]) -> Backend | None:
-    entry = _BACKENDS.get(id(options))
-    return entry[1] if entry is not None else None
