@@ -21,7 +21,16 @@ from fxlora.adapters import ModuleInfo
 from fxlora.passes.context import PassContext
 from fxlora.passes.graph_edit import call_arg
 
-_LINEAR = {torch._C._nn.linear, F.linear, torch.ops.aten.linear.default}
+LINEAR = {torch._C._nn.linear, F.linear, torch.ops.aten.linear.default}
+EMBEDDING = {F.embedding, torch.ops.aten.embedding.default}
+
+
+def embedding_args(node: fx.Node) -> tuple:
+    """``(ids, weight)`` of an embedding call: ``F.embedding(input, weight)`` or
+    ``aten.embedding(weight, indices)``."""
+    if node.target is F.embedding:
+        return call_arg(node, 0, "input"), call_arg(node, 1, "weight")
+    return call_arg(node, 1, "indices"), call_arg(node, 0, "weight")
 
 _ROOT = re.compile(r"^L\[['\"](?:self|fn|mod|model)['\"]\]\.?")
 _INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
@@ -59,12 +68,12 @@ def modules_in_graph(gm: fx.GraphModule) -> dict[str, ModuleInfo]:
         fqn = node.meta.get("fxlora_module")
         if fqn is None or node.op != "call_function":
             continue
-        if node.target in _LINEAR:
+        if node.target in LINEAR:
             kind, weight = "linear", call_arg(node, 1, "weight")
         elif is_conv1d_addmm(node):
             kind, weight = "conv1d", call_arg(node, 2, "mat2")
-        elif node.target is F.embedding:
-            kind, weight = "embedding", call_arg(node, 1, "weight")
+        elif node.target in EMBEDDING:
+            kind, weight = "embedding", embedding_args(node)[1]
         else:
             continue
         val = weight.meta.get("val", weight.meta.get("example_value")) if isinstance(weight, fx.Node) else None

@@ -14,11 +14,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from fxlora.passes.annotate import EMBEDDING, embedding_args
 from fxlora.passes.batch_info import batch_info_for
 from fxlora.passes.context import PassContext
 from fxlora.passes.graph_edit import base_calls, call_arg, pool_nodes, replace_with
-
-EMBEDDING = {F.embedding, torch.ops.aten.embedding.default}
 
 
 def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -27,10 +26,7 @@ def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if node.target is F.embedding and call_arg(node, 3, "max_norm") is not None:
             ctx.note(f"skipped {fqn}: embedding with max_norm renormalises its weight in place")
             continue
-        if node.target is F.embedding:
-            ids, weight = call_arg(node, 0, "input"), call_arg(node, 1, "weight")
-        else:  # aten.embedding(weight, indices, ...)
-            weight, ids = call_arg(node, 0, "weight"), call_arg(node, 1, "indices")
+        ids, weight = embedding_args(node)
         with gm.graph.inserting_before(node):
             args = (ids, weight, *pool_nodes(gm, target), *batch_info_for(gm, ctx, ids, feature_dims=0))
         replace_with(gm, node, torch.ops.fxlora.lora_embedding.default, args)

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from fxlora.passes.annotate import is_conv1d_addmm
+from fxlora.passes.annotate import LINEAR, is_conv1d_addmm
 from fxlora.passes.batch_info import batch_info_for
 from fxlora.passes.context import PassContext
 from fxlora.passes.graph_edit import ADDED, base_calls, call_arg, meta_shape, pool_nodes, replace_with
-
-LINEAR = {torch._C._nn.linear, F.linear, torch.ops.aten.linear.default}
 
 
 def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
