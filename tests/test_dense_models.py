@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fxlora
+from fxlora.runtime.routing import use_slots
 from fxlora.testing import (
     FAMILIES,
     RTOL,
@@ -101,14 +102,9 @@ def test_no_adapter_is_bit_identical_to_the_model(served, data):
     base = served.model(**batch.inputs).logits
     assert torch.equal(served.cm(**batch.inputs).logits, base)  # adapter_names=None: nolora graph
     assert torch.equal(served.cm(**batch.inputs, adapter_names=batch.adapter_names).logits, base)
-    routers = served.cm._backend.routers
-    for router in routers:
-        router.force_variant = "lora"  # the lora graph with every row on "no adapter"
-    try:
+    no_adapter = torch.full((len(batch.adapter_names),), -1, dtype=torch.int32)
+    with use_slots(no_adapter):  # the lora graph with every row on "no adapter"
         assert torch.equal(served.cm(**batch.inputs, adapter_names=batch.adapter_names).logits, base)
-    finally:
-        for router in routers:
-            router.force_variant = None
 
 
 @given(data=st.data())

@@ -5,6 +5,10 @@ variable, so threads and tasks keep their own). A ``Router`` is what a compiled 
 becomes: on each call it reads those names on the host, runs ``nolora`` when no row has
 an adapter, and otherwise passes the rows' slot ids to ``lora``. Nothing here reads
 device memory, so routing never synchronises.
+
+``use_slots`` is the runtime's form of the same choice: it hands the graphs a slot-id
+tensor it owns (a static buffer a CUDA graph reads on every replay), or ``None`` for
+``nolora``, and the names are no longer looked at.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ _covered: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("fxlo
 _adapter_names: contextvars.ContextVar[tuple[str | None, ...] | None] = contextvars.ContextVar(
     "fxlora_adapter_names", default=None
 )
+_NAMES = object()  # _slot_ids' default: route by the adapter names
+_slot_ids: contextvars.ContextVar[object] = contextvars.ContextVar("fxlora_slot_ids", default=_NAMES)
 
 
 @contextlib.contextmanager
@@ -34,6 +40,17 @@ def use_adapters(adapter_names: Sequence[str | None] | None) -> Iterator[None]:
         yield
     finally:
         _adapter_names.reset(token)
+
+
+@contextlib.contextmanager
+def use_slots(slot_ids: torch.Tensor | None) -> Iterator[None]:
+    """Calls made inside run ``lora`` with these per-row slot ids (int32, on the graphs'
+    device, -1 for no adapter), or ``nolora`` when ``slot_ids`` is None."""
+    token = _slot_ids.set(slot_ids)
+    try:
+        yield
+    finally:
+        _slot_ids.reset(token)
 
 
 def current_adapter_names() -> tuple[str | None, ...] | None:
@@ -61,21 +78,22 @@ class Router:
         self.lora_modules = frozenset(
             n.meta["fxlora_module"] for n in (lora.graph.nodes if lora is not None else ()) if n.meta.get(BASE_CALL)
         )
-        self.force_variant: str | None = None  # "lora" / "nolora" overrides routing, for tests
 
-    def variant_for(self, names: Sequence[str | None] | None) -> str:
-        if self.force_variant is not None:
-            return self.force_variant
-        if self.lora is None or names is None or all(n is None for n in names):
-            return "nolora"
-        return "lora"
+    def _slot_ids(self) -> torch.Tensor | None:
+        """The rows' slot ids, or None when ``nolora`` serves the call."""
+        given = _slot_ids.get()
+        if given is not _NAMES:
+            return given  # type: ignore[return-value]
+        names = current_adapter_names()
+        if names is None or all(n is None for n in names):
+            return None
+        slots = self.pool.slot_ids(names)
+        return torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
 
     def __call__(self, *args):
-        names = current_adapter_names()
-        if self.variant_for(names) == "nolora":
+        slot_ids = self._slot_ids() if self.lora is not None else None
+        if slot_ids is None:
             return self.nolora(*args)
-        slots = self.pool.slot_ids(names if names is not None else ())
-        slot_ids = torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
         out = self.lora(*args, slot_ids)
         covered = _covered.get()
         if covered is not None:
