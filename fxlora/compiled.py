@@ -20,6 +20,7 @@ from fxlora.adapters import AdapterPool, model_modules, read_adapter
 from fxlora.adapters.peft_format import AdapterSource
 from fxlora.errors import AdapterError
 from fxlora.runtime import Backend, use_adapters
+from fxlora.runtime.generation import DecodeRuntime, Sampling
 from fxlora.runtime.routing import record_coverage
 
 log = logging.getLogger(__name__)
@@ -32,11 +33,13 @@ class CompiledModel(torch.nn.Module):
     or ``None`` for the base model. It returns what the model returns.
     """
 
-    def __init__(self, model: torch.nn.Module, backend: Backend, compiled: Any):
+    def __init__(self, model: torch.nn.Module, backend: Backend, compiled: Any, runtime_options: Mapping[str, Any]):
         super().__init__()
         self.model = model
         self._backend = backend
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: it wraps `model`
+        self._runtime_options = dict(runtime_options)
+        self._runtime: DecodeRuntime | None = None
 
     @property
     def pool(self) -> AdapterPool:
@@ -82,6 +85,45 @@ class CompiledModel(torch.nn.Module):
             needed |= self.pool.adapters[name].modules.keys() & self.pool.targets.keys()
         return needed
 
+    def prepare(self) -> DecodeRuntime:
+        """Build the generation runtime now rather than on the first ``generate``: the KV
+        cache and static buffers, and on CUDA the decode graphs of every batch bucket."""
+        if self._runtime is None:
+            self._runtime = DecodeRuntime(self, **self._runtime_options)
+        return self._runtime
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        adapter_names: Sequence[str | None] | None = None,
+        max_new_tokens: int = 20,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Generate up to ``max_new_tokens`` tokens for every row, each row with its own
+        adapter (or none). Returns the prompts, left-padded, followed by the new tokens; a
+        row that produced an end token is padded with ``pad_token_id`` after it. Greedy by
+        default; ``do_sample`` draws from ``temperature`` / ``top_k`` / ``top_p`` with
+        ``generator``. The end and pad tokens default to the model's generation config; an
+        empty ``eos_token_id`` means none."""
+        gen_config = getattr(self.model, "generation_config", None)
+        if eos_token_id is None and gen_config is not None:
+            eos_token_id = gen_config.eos_token_id
+        if pad_token_id is None and gen_config is not None:
+            pad_token_id = gen_config.pad_token_id
+        sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
+        return self.prepare().generate(
+            input_ids, attention_mask, adapter_names, max_new_tokens, eos_token_id, pad_token_id, sampling
+        )
+
     def load_adapter(self, name: str, source: AdapterSource) -> None:
         """Load an adapter into a free slot: graphs are not retraced. On any error nothing
         changes."""
@@ -120,6 +162,10 @@ def compile(
     target_modules: str | list[str] | None = None,
     dynamic: bool | None = None,
     fullgraph: bool = False,
+    max_batch_size: int = 8,
+    max_len: int = 512,
+    batch_buckets: Sequence[int] | None = None,
+    cuda_graphs: bool | None = None,
 ) -> CompiledModel:
     """Compile ``model`` to serve mixed batches of LoRA adapters.
 
@@ -129,6 +175,11 @@ def compile(
     reserves pool space for adapters loaded later; by default the modules of the given
     adapters are the targets, or every linear layer but the output head when none are given.
     The model itself is not modified.
+
+    ``generate`` serves batches of up to ``max_batch_size`` rows of up to ``max_len`` tokens
+    (prompt and new tokens) from a static KV cache; its decode steps replay CUDA graphs
+    captured per ``batch_buckets`` (default: powers of two up to ``max_batch_size``) when
+    ``cuda_graphs`` (default: on CUDA).
     """
     adapters = dict(adapters or {})
     model, from_peft = _unwrap_peft(model)
@@ -151,7 +202,8 @@ def compile(
     backend = Backend(pool)
     compiled = torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
     log.info("fxlora: %d adapters in %d target modules", len(adapters), len(pool.targets))
-    return CompiledModel(model, backend, compiled)
+    runtime = dict(max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs)
+    return CompiledModel(model, backend, compiled, runtime)
 
 
 def _unwrap_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, AdapterSource]]:

@@ -16,6 +16,7 @@ from fxlora.testing.oracle import (
     merged_logits,
     merged_model,
     peft_model_with,
+    reference_generate,
     reference_logits,
     row_errors,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "merged_model",
     "model_configs",
     "peft_model_with",
+    "reference_generate",
     "reference_logits",
     "row_errors",
     "tiny_config",

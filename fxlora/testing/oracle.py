@@ -148,3 +148,37 @@ def assert_matches_peft(
         detail = ", ".join(f"row {i} ({n!r}): {e:.3g}" for i, n, e in bad)
         raise AssertionError(f"fxlora differs from the PEFT oracle beyond {tol:g} ({ref.dtype}): {detail}")
     return out
+
+
+@torch.no_grad()
+def reference_generate(
+    model: torch.nn.Module,
+    peft_model: Any,
+    adapter_names: Sequence[str | None],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    pad_token_id: int,
+) -> torch.Tensor:
+    """Greedy new tokens of every row, ``(rows, max_new_tokens)``: ``transformers``'
+    ``generate`` on the row's own unpadded prompt, with PEFT and the row's adapter (the
+    unmodified model for ``None``); after the end token, ``pad_token_id``."""
+    out = torch.full((len(adapter_names), max_new_tokens), pad_token_id, dtype=torch.long)
+    for i, name in enumerate(adapter_names):
+        prompt = input_ids[i] if attention_mask is None else input_ids[i][attention_mask[i].bool()]
+        runner = model
+        if name is not None:
+            peft_model.set_adapter(name)
+            runner = peft_model
+        tokens = runner.generate(
+            input_ids=prompt[None],
+            attention_mask=torch.ones_like(prompt)[None],
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )[0, prompt.numel() :]
+        out[i, : tokens.numel()] = tokens.cpu()
+    return out

@@ -1,0 +1,264 @@
+"""Batched multi-adapter generation: a static KV cache, a prefill, then decode steps
+replayed from CUDA graphs captured per ``(variant, batch bucket)``.
+
+The :class:`DecodeRuntime` owns every tensor a decode step reads: the KV cache, and static
+buffers for the next token ids, positions, the attention mask and the rows' slot ids. A
+step writes the new values into them, picks the graph from the host-side adapter names
+(``nolora`` when no row has an adapter: no LoRA work, no batch-info prologue), replays it,
+and reads the logits of the real rows. Prompts are laid out left-padded: every row writes
+the same cache column at each step, and padding stays masked.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fxlora.errors import AdapterError
+from fxlora.runtime.cuda_graphs import GraphSet
+from fxlora.runtime.kv_cache import StaticKVCache, rows_of
+from fxlora.runtime.routing import record_coverage, use_slots
+
+if TYPE_CHECKING:
+    from fxlora.compiled import CompiledModel
+
+log = logging.getLogger(__name__)
+
+VARIANTS = ("nolora", "lora")
+
+
+def default_buckets(max_batch_size: int) -> list[int]:
+    """Powers of two below ``max_batch_size``, then ``max_batch_size`` itself."""
+    buckets, b = [], 1
+    while b < max_batch_size:
+        buckets.append(b)
+        b *= 2
+    return [*buckets, max_batch_size]
+
+
+class DecodeRuntime:
+    """Static buffers, KV cache and decode graphs of one compiled model."""
+
+    def __init__(
+        self,
+        cm: CompiledModel,
+        max_batch_size: int,
+        max_len: int,
+        buckets: Sequence[int] | None = None,
+        cuda_graphs: bool | None = None,
+        progress: bool = True,
+    ):
+        param = next(cm.model.parameters())
+        self.cm, self.device, self.dtype = cm, param.device, param.dtype
+        self.max_batch_size, self.max_len = max_batch_size, max_len
+        self.buckets = sorted(set(buckets or default_buckets(max_batch_size)))
+        if self.buckets[0] < 1 or self.buckets[-1] > max_batch_size:
+            raise ValueError(f"batch buckets {self.buckets} must lie in 1..max_batch_size={max_batch_size}")
+        _check_window(cm.model.config, max_len)
+        self.cache = StaticKVCache(cm.model.config, max_batch_size, max_len, self.dtype, self.device)
+        rows, dev = max_batch_size, self.device
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self.mask = torch.full((rows, 1, 1, max_len), _masked(self.dtype), dtype=self.dtype, device=dev)
+        self.slot_ids = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+        self.column = torch.zeros(1, dtype=torch.long, device=dev)
+        forward = inspect.signature(cm.model.forward).parameters
+        self._extra = {k: v for k, v in (("logits_to_keep", 1), ("cache_position", None)) if k in forward}
+        self.graphs = GraphSet(self.device, cuda_graphs)
+        self.graphs.capture(
+            [(v, b) for b in sorted(self.buckets, reverse=True) for v in VARIANTS], self._decode, progress=progress
+        )
+
+    # -- one model call -------------------------------------------------------------------
+    def _call(self, rows: int, ids, positions, mask, columns, slot_ids) -> torch.Tensor:
+        """Run the compiled model over the cache's first ``rows`` rows; returns the logits of
+        the last position, ``(rows, vocab)``."""
+        self.cache.select_rows(rows)
+        self.cache.columns = columns
+        extra = dict(self._extra)
+        if "cache_position" in extra:
+            extra["cache_position"] = columns
+        # one trace serves every bucket and prompt length: rows and columns are dynamic
+        for t, dims in ((ids, (0, 1)), (positions, (0, 1)), (mask, (0, 2)), (columns, (0,)), *self.cache.tensors()):
+            for d in dims:
+                if t.shape[d] > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, d)
+        with use_slots(slot_ids), record_coverage() as covered:
+            out = self.cm._compiled(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=mask,
+                past_key_values=self.cache,
+                use_cache=True,
+                **extra,
+            )
+        missing = set(self.cm._backend.rewritten) - covered if slot_ids is not None else ()
+        if missing:
+            raise RuntimeError(
+                f"the LoRA of {len(missing)} module(s), e.g. {sorted(missing)[0]!r}, ran outside the compiled graphs "
+                "(a graph break, or Dynamo's recompile limit): see explain() and TORCH_LOGS=graph_breaks,recompiles"
+            )
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return logits[:, -1]
+
+    def _decode(self, key: tuple[str, int]) -> torch.Tensor:
+        variant, rows = key
+        slot_ids = rows_of(self.slot_ids, rows) if variant == "lora" else None
+        ids, positions, mask = (rows_of(t, rows) for t in (self.ids, self.positions, self.mask))
+        return self._call(rows, ids, positions, mask, self.column, slot_ids)
+
+    # -- generation ------------------------------------------------------------------------
+    def bucket_for(self, rows: int) -> int:
+        for b in self.buckets:
+            if b >= rows:
+                return b
+        raise ValueError(f"a batch of {rows} rows is larger than max_batch_size={self.max_batch_size}")
+
+    def _write_slots(self, slots: list[int]) -> None:
+        self.slot_ids.fill_(-1)
+        if slots:
+            self.slot_ids[: len(slots)].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        adapter_names: Sequence[str | None] | None,
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None,
+        pad_token_id: int | None,
+        sampling: Sampling,
+    ) -> torch.Tensor:
+        rows, prompt_len = input_ids.shape
+        names = list(adapter_names) if adapter_names is not None else [None] * rows
+        if len(names) != rows:
+            raise AdapterError(f"adapter_names has {len(names)} entries but the batch has {rows} rows")
+        if rows > self.max_batch_size:
+            raise ValueError(f"a batch of {rows} rows is larger than max_batch_size={self.max_batch_size}")
+        if prompt_len + max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds the KV cache's "
+                f"max_len={self.max_len}"
+            )
+        slots = self.cm.pool.slot_ids(names)
+        eos = torch.tensor(
+            [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
+            dtype=torch.long,
+            device=self.device,
+        )
+        pad = pad_token_id if pad_token_id is not None else int(eos[0]) if len(eos) else 0
+        ids, keep = _left_align(input_ids.to(self.device), attention_mask, pad)
+
+        # prefill: the whole prompt, causal and padding-masked, into cache columns [0, prompt_len)
+        lengths = keep.sum(1)
+        positions = (keep.long().cumsum(1) - 1).clamp(min=0)
+        columns = torch.arange(prompt_len, device=self.device)
+        visible = keep[:, None, None, :] & (columns[None, :, None] >= columns[None, None, :])[:, None]
+        mask = torch.full((rows, 1, prompt_len, self.max_len), _masked(self.dtype), dtype=self.dtype, device=self.device)
+        mask[..., :prompt_len].masked_fill_(visible, 0.0)
+        slot_ids = torch.tensor(slots, dtype=torch.int32, device=self.device) if any(s >= 0 for s in slots) else None
+        logits = self._call(rows, ids, positions, mask, columns, slot_ids)
+
+        # decode state in the static buffers
+        self.mask.fill_(_masked(self.dtype))
+        self.mask[:rows, 0, 0, :prompt_len].masked_fill_(keep, 0.0)
+        self.positions[:rows, 0].copy_(lengths)
+        bucket = self.bucket_for(rows)
+        done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        out = [ids]
+        for step in range(max_new_tokens):
+            tokens = sampling.pick(logits.float())
+            tokens = torch.where(done, pad, tokens)
+            out.append(tokens[:, None])
+            if len(eos):
+                done |= torch.isin(tokens, eos)
+            if step == max_new_tokens - 1:
+                break
+            if len(eos):
+                finished = done.tolist()  # the host needs it: stop, and route finished rows to the base model
+                if all(finished):
+                    break
+                names = [None if f else n for n, f in zip(names, finished)]
+            column = prompt_len + step
+            self.ids[:rows, 0].copy_(tokens)
+            self.column.fill_(column)
+            self.mask[:, 0, 0, column] = 0.0
+            slots = self.cm.pool.slot_ids(names)
+            variant = "lora" if any(s >= 0 for s in slots) else "nolora"
+            if variant == "lora":
+                self._write_slots(slots)
+            logits = self.graphs.run((variant, bucket), self._decode)[:rows]
+            self.positions[:rows].add_(1)
+        return torch.cat(out, dim=1)
+
+
+def _left_align(ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts moved to the right end of their rows (left padding), and the mask of real
+    tokens; a right- or left-padded batch gives the same layout."""
+    if attention_mask is None:
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+    keep = attention_mask.to(ids.device).bool()
+    if keep.shape != ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(keep.shape)} but input_ids has {tuple(ids.shape)}")
+    # a stable sort of "is a real token" puts padding first and keeps the tokens' order
+    order = torch.sort(keep.int(), dim=1, stable=True).indices
+    return torch.where(keep.gather(1, order), ids.gather(1, order), pad), keep.gather(1, order)
+
+
+def _masked(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).min
+
+
+def _check_window(config: Any, max_len: int) -> None:
+    text = config.get_text_config(decoder=True)
+    window = getattr(text, "sliding_window", None)
+    uses_window = window is not None and (
+        "sliding_attention" in (getattr(text, "layer_types", None) or ()) or getattr(text, "use_sliding_window", True)
+    )
+    if uses_window and max_len > window:
+        raise NotImplementedError(
+            f"generate with max_len={max_len} beyond the model's sliding window of {window} tokens is not supported: "
+            f"use max_len <= {window}"
+        )
+
+
+class Sampling:
+    """Greedy, or temperature / top-k / top-p sampling from ``generator``."""
+
+    def __init__(
+        self,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
+        self.generator = generator
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.do_sample:
+            return logits.argmax(-1)
+        logits = logits / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1:
+            sorted_logits, order = logits.sort(dim=-1, descending=False)
+            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cumulative <= 1 - self.top_p
+            drop[:, -1] = False  # the most likely token always stays
+            logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        probs = logits.softmax(-1)
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]

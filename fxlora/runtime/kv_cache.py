@@ -1,0 +1,115 @@
+"""A static KV cache the runtime owns: fixed addresses, rows chosen per batch bucket.
+
+``StaticKVCache`` holds, per attention layer, keys and values of shape ``(max_batch_size,
+heads, max_len, head_dim)``, allocated once. ``select_rows(b)`` points every layer at the
+first ``b`` rows (aliases of the same memory, so a graph captured for bucket ``b`` keeps
+valid addresses), and ``columns`` is the index tensor of the cache columns the current
+step writes: ``arange(prompt_len)`` for a prefill, one column for a decode step. All rows
+write the same columns; a row's padding is masked by the attention mask the runtime
+builds, never stored as a shorter row.
+
+It implements the ``transformers`` cache interface the attention layers use (``update``);
+mask sizes and positions come from the runtime, which always passes ``position_ids`` and a
+prepared attention mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.configuration_utils import PreTrainedConfig
+
+
+def rows_of(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``t`` as a tensor of its own (not a view: Dynamo guards
+    on a view's base and offset, which would retrace per bucket)."""
+    out = t.new_empty(0)
+    out.set_(t.untyped_storage(), t.storage_offset(), (rows, *t.shape[1:]), t.stride())
+    return out
+
+
+class _Layer(CacheLayerMixin):
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, cache: StaticKVCache, keys: torch.Tensor, values: torch.Tensor, index: int):
+        super().__init__()
+        self.cache, self.index = cache, index
+        self.all_keys, self.all_values = keys, values
+        self.keys, self.values = keys, values
+        self.max_cache_len = keys.shape[2]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated up front
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[:2] != self.keys.shape[:2] or key_states.shape[-1] != self.keys.shape[-1]:
+            raise ValueError(
+                f"fxlora KV cache layer {self.index}: keys of shape {tuple(key_states.shape)} do not fit the "
+                f"cache's (rows, heads, columns, head_dim) = {tuple(self.keys.shape)}"
+            )
+        columns = self.cache.columns
+        self.keys.index_copy_(2, columns, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, columns, value_states.to(self.values.dtype))
+        return self.keys, self.values
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.max_cache_len
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+
+class StaticKVCache(Cache):
+    """Keys and values for ``max_batch_size`` rows of ``max_len`` tokens, on ``device``."""
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        max_batch_size: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        text = config.get_text_config(decoder=True)
+        heads = _first_attr(text, "num_attention_heads", "n_head")
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or _first_attr(text, "hidden_size", "n_embd") // heads
+        num_layers = _first_attr(text, "num_hidden_layers", "n_layer")
+        shape = (max_batch_size, kv_heads, max_len, head_dim)
+        self.columns = torch.zeros(1, dtype=torch.long, device=device)
+        layers = [
+            _Layer(self, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device), i)
+            for i in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+        self.max_batch_size, self.max_len = max_batch_size, max_len
+        self.rows = max_batch_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.all_keys.nbytes + layer.all_values.nbytes for layer in self.layers)
+
+    def tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """The current rows' keys and values, each with its batch dimension."""
+        return [(t, (0,)) for layer in self.layers for t in (layer.keys, layer.values)]
+
+    def select_rows(self, rows: int) -> None:
+        """Point every layer at the first ``rows`` rows."""
+        if not 1 <= rows <= self.max_batch_size:
+            raise ValueError(f"a batch of {rows} rows does not fit the KV cache's {self.max_batch_size} rows")
+        self.rows = rows
+        for layer in self.layers:
+            layer.keys, layer.values = rows_of(layer.all_keys, rows), rows_of(layer.all_values, rows)
+
+
+def _first_attr(config: PreTrainedConfig, *names: str) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    raise ValueError(f"the model config has none of {names}: cannot size a KV cache for it")
