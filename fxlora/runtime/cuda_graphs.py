@@ -29,7 +29,6 @@ class GraphSet:
         self.fallback_reason: str | None = None if self.enabled else f"the model is on {device}, not CUDA"
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.capture_seconds = 0.0
-        self.capture_bytes = 0  # device memory reserved while capturing: the graphs' pool and warm-up
         self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self._warned = False
 
@@ -41,7 +40,7 @@ class GraphSet:
             return
         from tqdm.auto import tqdm
 
-        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        start = time.perf_counter()
         for key in tqdm(keys, desc="fxlora: capturing CUDA graphs", disable=not progress, leave=False):
             try:
                 self.graphs[key] = self._capture_one(fn, key)
@@ -52,7 +51,6 @@ class GraphSet:
                 self._warn()
                 return
         self.capture_seconds += time.perf_counter() - start
-        self.capture_bytes += torch.cuda.memory_reserved(self.device) - reserved
         log.info("fxlora: captured %d CUDA graphs in %.1f s", len(keys), time.perf_counter() - start)
 
     def _capture_one(self, fn: Callable[[Hashable], Any], key: Hashable) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -76,6 +74,14 @@ class GraphSet:
         graph, out = entry
         graph.replay()
         return out
+
+    @property
+    def pool_bytes(self) -> int:
+        """Device memory held by the graphs' private pool."""
+        if not self.graphs:
+            return 0
+        pool = tuple(self._pool)
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == pool)
 
     def _warn(self) -> None:
         if not self._warned and self.fallback_reason is not None:

@@ -87,8 +87,9 @@ class StaticKVCache(Cache):
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
-        self.max_batch_size, self.max_len = max_batch_size, max_len
-        self.rows = max_batch_size
+        # (names of the transformers Cache's own properties, such as max_batch_size, are avoided)
+        self.row_capacity, self.column_capacity = max_batch_size, max_len
+        self.active_rows = max_batch_size
 
     @property
     def nbytes(self) -> int:
@@ -100,9 +101,9 @@ class StaticKVCache(Cache):
 
     def select_rows(self, rows: int) -> None:
         """Point every layer at the first ``rows`` rows."""
-        if not 1 <= rows <= self.max_batch_size:
-            raise ValueError(f"a batch of {rows} rows does not fit the KV cache's {self.max_batch_size} rows")
-        self.rows = rows
+        if not 1 <= rows <= self.row_capacity:
+            raise ValueError(f"a batch of {rows} rows does not fit the KV cache's {self.row_capacity} rows")
+        self.active_rows = rows
         for layer in self.layers:
             layer.keys, layer.values = rows_of(layer.all_keys, rows), rows_of(layer.all_values, rows)
 
