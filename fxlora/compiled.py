@@ -135,6 +135,8 @@ class CompiledModel(torch.nn.Module):
     def explain(self) -> str:
         """What was rewritten, what was skipped and why."""
         lines = list(self._backend.explain())
+        if self._runtime is not None:
+            lines += self._runtime.describe()
         if not self._backend.routers:
             lines.append("no graph compiled yet: call the model once to trace it")
         return "\n".join(lines)

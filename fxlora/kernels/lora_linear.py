@@ -35,7 +35,17 @@ def lora_delta_reference(
         y.index_add_(0, idx, (delta * scaling[s].to(delta.dtype)).to(y.dtype))
 
 
-@torch.library.custom_op("fxlora::lora_linear", mutates_args=())
+def lora_workspace(x: torch.Tensor, lora_a: torch.Tensor, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """Scratch for the CUDA kernel's shrink result, ``(tokens, lora_a.shape[1])`` float32. A
+    graph allocates it as its own node, so the ``hoist`` pass can place it in the arena."""
+    tokens = x.numel() // x.shape[-1]
+    return torch.empty((tokens, lora_a.shape[1]), dtype=torch.float32, device=device or x.device)
+
+
+lora_workspace.fxlora_alloc_kind = "lora_workspace"  # the hoist pass places it like torch.empty
+
+
+@torch.library.custom_op("fxlora::lora_linear", mutates_args=("workspace",))
 def lora_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -48,7 +58,10 @@ def lora_linear(
     sorted_tokens: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """``workspace`` (from :func:`lora_workspace`) is scratch the CUDA kernel may use;
+    without it the kernel allocates its own."""
     y = F.linear(x, weight, bias)
     lora_delta_reference(
         y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, token_slot
@@ -57,7 +70,19 @@ def lora_linear(
 
 
 def lora_linear_triton(
-    x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, overlap: bool = True
+    x,
+    weight,
+    bias,
+    lora_a,
+    lora_b,
+    scaling,
+    rank,
+    token_slot,
+    sorted_tokens,
+    seg_start,
+    seg_len,
+    workspace=None,
+    overlap: bool = True,
 ):
     """The CUDA implementation. With ``overlap`` the shrink (which reads only ``x``) runs on a
     side stream beside the base GEMM; under CUDA-graph capture the fork and join become
@@ -67,12 +92,12 @@ def lora_linear_triton(
         main, side = torch.cuda.current_stream(), _side_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            v = sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len)
+            v = sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len, out=workspace)
         y = F.linear(x, weight, bias)
         main.wait_stream(side)
         v.record_stream(main)
     else:
-        v = sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len)
+        v = sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len, out=workspace)
         y = F.linear(x, weight, bias)
     sgmv.lora_expand(y.view(-1, y.shape[-1]), v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len)
     return y
@@ -92,5 +117,5 @@ if sgmv is not None:
 
 
 @lora_linear.register_fake
-def _(x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len):
+def _(x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.promote_types(x.dtype, weight.dtype))

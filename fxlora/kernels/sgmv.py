@@ -184,12 +184,19 @@ def lora_shrink(
     seg_len: torch.Tensor,
     num_slices: int = 1,
     config: ShrinkConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``v`` (T, num_slices * max_rank), float32; rows of tokens without an adapter are zero."""
+    """``v`` (T, num_slices * max_rank), float32, in ``out`` when given; rows of tokens
+    without an adapter are zero."""
     tokens, k = x.shape
     slots, ranks, _ = lora_a.shape
     cfg = config or shrink_config(tokens, k)
-    v = torch.zeros(tokens, ranks, dtype=torch.float32, device=x.device)
+    if out is None:
+        v = torch.zeros(tokens, ranks, dtype=torch.float32, device=x.device)
+    else:
+        if out.shape != (tokens, ranks) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"shrink workspace must be contiguous float32 {(tokens, ranks)}, got {tuple(out.shape)}")
+        v = out.zero_()
     x, lora_a = x.contiguous(), lora_a.contiguous()
     block_r = _p2(min(ranks, 64))
     grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(ranks, block_r), cfg.split_k)

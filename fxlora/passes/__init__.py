@@ -1,5 +1,5 @@
 """The pass pipeline: an ordered list of ``GraphModule -> GraphModule`` passes, then
-``specialize`` into the ``lora`` and ``nolora`` graphs."""
+``specialize`` into the ``lora`` and ``nolora`` graphs, then ``hoist`` on each."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import fxlora.kernels  # noqa: F401  (registers the fxlora:: ops the passes emit
 from fxlora.passes.annotate import annotate
 from fxlora.passes.batch_info import batch_info
 from fxlora.passes.context import PassContext
+from fxlora.passes.hoist import hoist
 from fxlora.passes.lora_embedding import lora_embedding
 from fxlora.passes.lora_linear import lora_linear
 from fxlora.passes.specialize import specialize
@@ -22,13 +23,14 @@ PIPELINE: list[Pass] = [annotate, lora_linear, lora_embedding, batch_info]
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule | None, fx.GraphModule]:
     """Run every pass in order on a copy of ``gm`` (the caller's graph is left as it was),
-    then split into ``(lora, nolora)``."""
+    split into ``(lora, nolora)``, and hoist each variant's allocations into the arena."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     gm = fx.GraphModule(gm, graph)
     for p in PIPELINE:
         gm = p(gm, ctx)
-    return specialize(gm)
+    lora, nolora = specialize(gm)
+    return (hoist(lora, ctx) if lora is not None else None), hoist(nolora, ctx)
 
 
-__all__ = ["PIPELINE", "PassContext", "run_pipeline", "specialize"]
+__all__ = ["PIPELINE", "PassContext", "hoist", "run_pipeline", "specialize"]

@@ -1,10 +1,15 @@
-"""What the passes share: the adapter pool they wire in and the report ``explain()`` prints."""
+"""What the passes share: the adapter pool they wire in, the arena ``hoist`` plans into, and
+the report ``explain()`` prints."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fxlora.adapters import AdapterPool
+
+if TYPE_CHECKING:
+    from fxlora.runtime.arena import Arena
 
 
 @dataclass
@@ -12,6 +17,7 @@ class PassContext:
     pool: AdapterPool
     report: list[str] = field(default_factory=list)  # one line per decision, for explain()
     rewritten: dict[str, str] = field(default_factory=dict)  # module FQN -> op it became
+    arena: Arena | None = None  # where ``hoist`` places allocations; None: leave them
 
     def note(self, line: str) -> None:
         self.report.append(line)

@@ -91,6 +91,16 @@ def meta_shape(node: Any) -> tuple | None:
     return tuple(val.shape) if hasattr(val, "shape") else None
 
 
+def fake_value(node: fx.Node, compute: Callable[[Any], Any], source: fx.Node) -> None:
+    """Give an inserted ``node`` the traced value ``compute(source's traced value)``, computed
+    under the trace's fake mode (no memory is touched); nothing if ``source`` has none."""
+    val = source.meta.get("val", source.meta.get("example_value"))
+    mode = getattr(val, "fake_mode", None)
+    if mode is not None:
+        with mode:
+            node.meta["example_value"] = compute(val)
+
+
 def base_call(node: fx.Node, copies: dict[fx.Node, fx.Node]) -> tuple[Any, tuple, dict]:
     """The base call a LoRA op replaced, in terms of the op's current arguments; ``copies``
     maps the original graph's nodes to this one's (``node`` may live in a copy)."""

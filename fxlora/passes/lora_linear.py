@@ -2,7 +2,8 @@
 
 Matches ``torch._C._nn.linear`` / ``F.linear`` / ``aten.linear`` nodes that ``annotate``
 attributed to a module the adapter pool targets, and replaces each with
-``fxlora::lora_linear(x, weight, bias, lora_a, lora_b, scaling, rank, *batch_info)``. The
+``fxlora::lora_linear(x, weight, bias, lora_a, lora_b, scaling, rank, *batch_info, workspace)``,
+the workspace being a ``lora_workspace`` node of its own (so ``hoist`` can plan it). The
 ``torch.addmm(bias, x, weight)`` of transformers' ``Conv1D`` (GPT-2), whose weight is stored
 transposed, becomes the same op on ``weight.t()``. A module
 whose forward calls linear more than once, or whose weight shape differs from the pool's,
@@ -14,10 +15,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxlora.kernels.lora_linear import lora_workspace
 from fxlora.passes.annotate import LINEAR, is_conv1d_addmm
 from fxlora.passes.batch_info import batch_info_for
 from fxlora.passes.context import PassContext
-from fxlora.passes.graph_edit import ADDED, base_calls, call_arg, meta_shape, pool_nodes, replace_with
+from fxlora.passes.graph_edit import ADDED, base_calls, call_arg, fake_value, meta_shape, pool_nodes, replace_with
 
 
 def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -36,7 +38,11 @@ def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if conv1d:
                 weight = gm.graph.call_function(torch.t, (weight,))
                 weight.meta[ADDED] = True
-            args = (x, weight, bias, *pool_nodes(gm, target), *batch_info_for(gm, ctx, x, feature_dims=1))
+            pool = pool_nodes(gm, target)
+            workspace = gm.graph.call_function(lora_workspace, (x, pool[0]))
+            workspace.meta[ADDED] = True
+            fake_value(workspace, lambda xv, a=target.lora_a: lora_workspace(xv, a), x)
+            args = (x, weight, bias, *pool, *batch_info_for(gm, ctx, x, feature_dims=1), workspace)
         replace_with(gm, node, torch.ops.fxlora.lora_linear.default, args)
         ctx.rewritten[fqn] = "fxlora::lora_linear"
     gm.recompile()

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from fxlora.adapters import AdapterPool, read_adapter
 from fxlora.passes import PassContext, run_pipeline
+from fxlora.runtime.arena import Arena
 from fxlora.runtime.routing import Router
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class Backend:
 
     def __init__(self, pool: AdapterPool):
         self.pool = pool
+        self.arena = Arena()
         self.routers: list[Router] = []
         self.reports: list[list[str]] = []
         self.rewritten: dict[str, str] = {}  # module FQN -> the LoRA op it became, over all graphs
@@ -51,7 +53,7 @@ class Backend:
         return cls(pool)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
-        ctx = PassContext(self.pool)
+        ctx = PassContext(self.pool, arena=self.arena)
         lora, nolora = run_pipeline(gm, ctx)
         devices = {self.pool.targets[fqn].info.device for fqn in ctx.rewritten}
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
@@ -67,6 +69,7 @@ class Backend:
 
     def explain(self) -> Iterable[str]:
         yield from self.pool.describe()
+        yield from self.arena.describe()
         for report in self.reports:
             yield from report
         for fqn in sorted(set(self.pool.targets) - set(self.rewritten)):

@@ -69,9 +69,12 @@ class DecodeRuntime:
         forward = inspect.signature(cm.model.forward).parameters
         self._extra = {k: v for k, v in (("logits_to_keep", 1), ("cache_position", None)) if k in forward}
         self.graphs = GraphSet(self.device, cuda_graphs)
-        self.graphs.capture(
-            [(v, b) for b in sorted(self.buckets, reverse=True) for v in VARIANTS], self._decode, progress=progress
-        )
+        keys = [(v, b) for b in sorted(self.buckets, reverse=True) for v in VARIANTS]
+        with torch.no_grad():
+            for key in keys:  # traces the decode graphs and measures their allocations
+                self._decode(key)
+            cm._backend.arena.plan(self.device)
+            self.graphs.capture(keys, self._decode, progress=progress)
 
     # -- one model call -------------------------------------------------------------------
     def _call(self, rows: int, ids, positions, mask, columns, slot_ids) -> torch.Tensor:
@@ -110,6 +113,20 @@ class DecodeRuntime:
         slot_ids = rows_of(self.slot_ids, rows) if variant == "lora" else None
         ids, positions, mask = (rows_of(t, rows) for t in (self.ids, self.positions, self.mask))
         return self._call(rows, ids, positions, mask, self.column, slot_ids)
+
+    def describe(self) -> list[str]:
+        lines = [
+            f"runtime: KV cache {self.cache.nbytes} bytes ({self.max_batch_size} rows x {self.max_len} tokens), "
+            f"batch buckets {self.buckets}"
+        ]
+        if self.graphs.graphs:
+            lines.append(
+                f"CUDA graphs: {len(self.graphs.graphs)} captured (variants x buckets) in "
+                f"{self.graphs.capture_seconds:.1f} s, pool {self.graphs.pool_bytes} bytes"
+            )
+        else:
+            lines.append(f"CUDA graphs: none, decode steps run eagerly ({self.graphs.fallback_reason})")
+        return lines
 
     # -- generation ------------------------------------------------------------------------
     def bucket_for(self, rows: int) -> int:
