@@ -2,6 +2,7 @@
 invariants of routing, batching and hot-loading. Each family is compiled once; hypothesis
 varies adapters and batches against it."""
 
+import logging
 import tempfile
 from dataclasses import dataclass
 
@@ -156,7 +157,7 @@ def test_unload_load_reload_without_recompiles(served, tmp_path):
     assert served.cm.compile_count == compiles
 
 
-def test_entry_points_agree(served, tmp_path):
+def test_entry_points_agree(served, tmp_path, caplog):
     from peft import LoraConfig
 
     adapters = {
@@ -172,3 +173,11 @@ def test_entry_points_agree(served, tmp_path):
     with fxlora.use_adapters(names):
         via_dynamo = compiled(**inputs).logits
     assert torch.equal(via_dynamo, served.cm(**inputs, adapter_names=names).logits)
+    # asking for CUDA graphs on CPU: the same graphs run eagerly, with one warning
+    graphed = torch.compile(served.model, backend="fxlora", options=dict(options, cuda_graphs=True), dynamic=True)
+    with caplog.at_level(logging.WARNING, logger="fxlora"), fxlora.use_adapters(names):
+        for _ in range(2):
+            assert torch.equal(graphed(**inputs).logits, via_dynamo)
+    assert [r.message for r in caplog.records if "CUDA graphs" in r.message] == [
+        "fxlora: running without CUDA graphs: the model is on cpu, not CUDA"
+    ]

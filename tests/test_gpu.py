@@ -10,7 +10,7 @@ from peft import LoraConfig
 
 import fxlora
 from fxlora.kernels import batch_info, lora_embedding, lora_linear
-from fxlora.kernels.lora_linear import lora_delta_reference
+from fxlora.kernels.lora_linear import lora_delta_reference, lora_workspace
 from fxlora.testing import assert_matches_peft, lora_module_names, make_adapter, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -28,7 +28,9 @@ def test_dense_end_to_end_on_cuda(family, dtype, tmp_path):
         "b": LoraConfig(r=16, lora_alpha=8, use_rslora=True, target_modules=lora_module_names(cpu_model)[:3]),
         "c": LoraConfig(r=4, target_modules=["embed_tokens", "lm_head"]),
     }
-    adapters = {n: make_adapter(cpu_model, c, seed=i, directory=str(tmp_path / n)) for i, (n, c) in enumerate(configs.items())}
+    adapters = {
+        n: make_adapter(cpu_model, c, seed=i, directory=str(tmp_path / n)) for i, (n, c) in enumerate(configs.items())
+    }
     model = copy.deepcopy(cpu_model).to("cuda", dtype)
     cm = fxlora.compile(model, adapters=adapters, max_loras=4, max_rank=16)
     ids = torch.randint(3, 200, (6, 12), device="cuda")
@@ -63,7 +65,7 @@ def test_lora_linear_at_real_sizes(tokens, rank, dtype):
     x, w, a, b, scaling, ranks = _case(tokens, 4096, 4096, 8, rank, dtype)
     slot_ids = torch.randint(-1, 8, (tokens,), device="cuda", dtype=torch.int32)
     meta = batch_info(slot_ids, x, 1, 8)
-    out = lora_linear(x, w, None, a, b, scaling, ranks, *meta)
+    out = lora_linear(x, w, None, a, b, scaling, ranks, *meta, lora_workspace(x, a))
     ref = _expected(x, w, a, b, scaling, ranks, slot_ids)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype], err
@@ -75,13 +77,15 @@ def test_no_host_synchronisation():
     table = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
     ea, eb = torch.randn(4, 16, 100, device="cuda", dtype=torch.bfloat16), b[:, :256]
     slot_ids = torch.tensor([0, -1, 3, 1], dtype=torch.int32, device="cuda")
-    lora_linear(x, w, None, a, b, scaling, ranks, *batch_info(slot_ids, x, 1, 4))  # warm up: compile kernels
+    lora_linear(
+        x, w, None, a, b, scaling, ranks, *batch_info(slot_ids, x, 1, 4), lora_workspace(x, a)
+    )  # warm up: compile kernels
     lora_embedding(ids, table, ea, eb.contiguous(), scaling, ranks, *batch_info(slot_ids, ids, 0, 4))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         meta = batch_info(slot_ids, x, 1, 4)
-        lora_linear(x, w, None, a, b, scaling, ranks, *meta)
+        lora_linear(x, w, None, a, b, scaling, ranks, *meta, lora_workspace(x, a))
         lora_embedding(ids, table, ea, eb.contiguous(), scaling, ranks, *batch_info(slot_ids, ids, 0, 4))
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -92,13 +96,15 @@ def test_cuda_graph_replay_with_new_assignments(tokens_per_row):
     rows, slots = 16, 8
     x, w, a, b, scaling, ranks = _case(rows * tokens_per_row, 512, 768, slots, 16, torch.float32)
     slot_ids = torch.zeros(rows, dtype=torch.int32, device="cuda")
-    lora_linear(x, w, None, a, b, scaling, ranks, *batch_info(slot_ids, x, 1, slots))
+    lora_linear(x, w, None, a, b, scaling, ranks, *batch_info(slot_ids, x, 1, slots), lora_workspace(x, a))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = lora_linear(x, w, None, a, b, scaling, ranks, *batch_info(slot_ids, x, 1, slots))
+        out = lora_linear(x, w, None, a, b, scaling, ranks, *batch_info(slot_ids, x, 1, slots), lora_workspace(x, a))
     gen = torch.Generator().manual_seed(0)
-    assignments = [[-1] * rows, [5] * rows] + [torch.randint(-1, slots, (rows,), generator=gen).tolist() for _ in range(4)]
+    assignments = [[-1] * rows, [5] * rows] + [
+        torch.randint(-1, slots, (rows,), generator=gen).tolist() for _ in range(4)
+    ]
     for i, assignment in enumerate(assignments):
         slot_ids.copy_(torch.tensor(assignment, dtype=torch.int32))
         if i == 3:  # hot-swap a slot's weights in place, as load_adapter does

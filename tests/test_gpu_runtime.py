@@ -13,6 +13,8 @@ import torch
 from peft import LoraConfig
 
 import fxlora
+from fxlora.adapters import read_adapter
+from fxlora.runtime import Backend
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.testing import lora_module_names, make_adapter, peft_model_with, reference_logits, tiny_model
 
@@ -24,7 +26,9 @@ def _served(dtype, family="llama", buckets=(1, 2, 4, 8)):
     cpu_model = tiny_model(family, seed=2, hidden_size=64, intermediate_size=160, vocab_size=200)
     targets = lora_module_names(cpu_model)
     adapters = {
-        n: make_adapter(cpu_model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets), seed=i, directory="", scale=0.3)
+        n: make_adapter(
+            cpu_model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets), seed=i, directory="", scale=0.3
+        )
         for i, (n, r) in enumerate([("a", 8), ("b", 16), ("c", 4)])
     }
     model = copy.deepcopy(cpu_model).to("cuda", dtype)
@@ -122,3 +126,52 @@ def test_bf16_generation_agrees_with_peft():
     # where they differ, how far below PEFT's best logit fxlora's token was (bf16 rounding is ~0.4%)
     gaps = (logits.max(-1).values - logits.gather(-1, ours[..., None])[..., 0]) / logits.abs().amax(-1)
     assert agree >= 0.99, (agree, sorted(gaps[gaps > 0].tolist()))
+
+
+def test_call_replays_per_signature_with_inputs_copied_in_and_mutations_out():
+    weight = torch.nn.Parameter(torch.randn(4, 4, device="cuda"))
+    calls = []
+
+    def step(x, counter):
+        calls.append(1)
+        counter.add_(1)  # an input the function mutates
+        return (x @ weight, counter * 2)
+
+    graphs = GraphSet(torch.device("cuda"))
+    counter = torch.zeros(3, device="cuda")
+    outs = []
+    for i in range(4):
+        x = torch.randn(2, 4, device="cuda")
+        out, doubled = graphs.call("k", step, (x, counter))
+        torch.testing.assert_close(out, x @ weight)
+        assert torch.equal(counter, torch.full((3,), i + 1.0, device="cuda"))
+        assert torch.equal(doubled, counter * 2)
+        outs.append((x, out))
+    assert len(calls) == 2  # one eager call, one capture; the rest are replays
+    for x, out in outs:  # earlier results are not overwritten by later replays
+        torch.testing.assert_close(out, x @ weight)
+    graphs.call("k", step, (torch.randn(5, 4, device="cuda"), counter))  # a new shape: a new graph
+    assert len(graphs._calls) == 2
+
+
+def test_torch_compile_backend_with_cuda_graphs_matches_eager_routing():
+    _, model, adapters, _ = _served(torch.float32)
+    options = dict(adapters={k: adapters[k] for k in ("a", "b")}, max_loras=4, max_rank=16)
+    eager_backend = Backend.from_options(options)
+    graphed_backend = Backend.from_options(dict(options, cuda_graphs=True))
+    eager = torch.compile(model, backend=eager_backend)
+    graphed = torch.compile(model, backend=graphed_backend)
+    gen = torch.Generator().manual_seed(3)
+    for i, names in enumerate([["a", None, "b", "a"], [None] * 4, ["b", "b", None, "a"], ["a", "c", None, "b"]]):
+        if i == 3:  # hot swap while the graphs exist
+            for backend in (eager_backend, graphed_backend):
+                backend.pool.unload("b")
+                backend.pool.load(read_adapter("c", adapters["c"]))
+                backend.pool.load(read_adapter("b", adapters["b"]))
+        ids = torch.randint(3, 200, (4, 9), generator=gen).cuda()
+        with torch.no_grad(), fxlora.use_adapters(names):
+            want = eager(input_ids=ids).logits
+            got = graphed(input_ids=ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    graphs = graphed_backend.graphs
+    assert graphs.enabled and len(graphs._calls) == 2  # lora and nolora, captured once each

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fxlora.kernels import batch_info, lora_linear
+from fxlora.kernels.lora_linear import lora_workspace
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
 
@@ -47,9 +48,11 @@ def test_lora_linear_matches_formula(rows, per_row, d_in, d_out, max_rank, num_s
     ranks = data.draw(st.lists(st.integers(0, max_rank), min_size=num_slots, max_size=num_slots))
     slots = data.draw(st.lists(st.integers(-1, num_slots - 1), min_size=rows, max_size=rows))
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
-    x, w, b, a, bb, scaling, rank, slot_ids = make_case(gen, rows * per_row, d_in, d_out, max_rank, ranks, slots, dtype, bias)
+    x, w, b, a, bb, scaling, rank, slot_ids = make_case(
+        gen, rows * per_row, d_in, d_out, max_rank, ranks, slots, dtype, bias
+    )
     meta = batch_info(slot_ids, x, 1, num_slots)
-    out = lora_linear(x, w, b, a, bb, scaling, rank, *meta)
+    out = lora_linear(x, w, b, a, bb, scaling, rank, *meta, lora_workspace(x, a))
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), per_token(x, w, b, a, bb, scaling, rank, meta[0]), **TOL[dtype])
     base_rows = meta[0] < 0
@@ -61,9 +64,9 @@ def test_lora_linear_keeps_leading_dims_and_fake():
     x, w, b, a, bb, scaling, rank, slot_ids = make_case(gen, 6, 5, 3, 2, [2, 1], [0, 1], torch.float32)
     x = x.view(2, 3, 5)
     meta = batch_info(slot_ids, x, 1, 2)
-    assert lora_linear(x, w, b, a, bb, scaling, rank, *meta).shape == (2, 3, 3)
+    assert lora_linear(x, w, b, a, bb, scaling, rank, *meta, lora_workspace(x, a)).shape == (2, 3, 3)
     torch.library.opcheck(
         torch.ops.fxlora.lora_linear.default,
-        (x, w, b, a, bb, scaling, rank, *meta),
+        (x, w, b, a, bb, scaling, rank, *meta, lora_workspace(x, a)),
         test_utils=("test_schema", "test_faketensor"),
     )

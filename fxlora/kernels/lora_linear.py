@@ -58,14 +58,12 @@ def lora_linear(
     sorted_tokens: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
-    workspace: torch.Tensor | None = None,
+    workspace: torch.Tensor,
 ) -> torch.Tensor:
-    """``workspace`` (from :func:`lora_workspace`) is scratch the CUDA kernel may use;
-    without it the kernel allocates its own."""
+    """``workspace`` (from :func:`lora_workspace`) is scratch the CUDA kernel writes the
+    shrink result into."""
     y = F.linear(x, weight, bias)
-    lora_delta_reference(
-        y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, token_slot
-    )
+    lora_delta_reference(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, token_slot)
     return y
 
 
@@ -81,7 +79,7 @@ def lora_linear_triton(
     sorted_tokens,
     seg_start,
     seg_len,
-    workspace=None,
+    workspace,
     overlap: bool = True,
 ):
     """The CUDA implementation. With ``overlap`` the shrink (which reads only ``x``) runs on a
@@ -117,5 +115,5 @@ if sgmv is not None:
 
 
 @lora_linear.register_fake
-def _(x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace=None):
+def _(x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.promote_types(x.dtype, weight.dtype))

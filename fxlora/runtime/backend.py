@@ -4,7 +4,9 @@ return a :class:`Router` over its ``lora`` and ``nolora`` variants.
 ``fxlora.compile`` builds a :class:`Backend` around its own pool; ``torch.compile(...,
 backend="fxlora", options={...})`` reaches :func:`fxlora_backend` through the
 ``torch_dynamo_backends`` entry point, which keeps one backend (and pool) per options dict,
-so every graph of one ``torch.compile`` call shares its adapters.
+so every graph of one ``torch.compile`` call shares its adapters. With ``"cuda_graphs":
+True`` the routers replay their variants from CUDA graphs of one shared :class:`GraphSet`,
+captured per input signature on first use.
 """
 
 from __future__ import annotations
@@ -20,18 +22,21 @@ import torch.fx as fx
 from fxlora.adapters import AdapterPool, read_adapter
 from fxlora.passes import PassContext, run_pipeline
 from fxlora.runtime.arena import Arena
+from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.routing import Router
 
 log = logging.getLogger(__name__)
 
-OPTIONS = ("adapters", "max_loras", "max_rank", "target_modules")
+OPTIONS = ("adapters", "max_loras", "max_rank", "target_modules", "cuda_graphs")
 
 
 class Backend:
     """A Dynamo backend bound to one adapter pool."""
 
-    def __init__(self, pool: AdapterPool):
+    def __init__(self, pool: AdapterPool, cuda_graphs: bool = False):
         self.pool = pool
+        self.cuda_graphs = cuda_graphs
+        self.graphs: GraphSet | None = None  # made for the first graph's device
         self.arena = Arena()
         self.routers: list[Router] = []
         self.reports: list[list[str]] = []
@@ -50,14 +55,16 @@ class Backend:
         )
         for name, source in adapters.items():
             pool.load(read_adapter(name, source))
-        return cls(pool)
+        return cls(pool, cuda_graphs=bool(options.get("cuda_graphs", False)))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
         ctx = PassContext(self.pool, arena=self.arena)
         lora, nolora = run_pipeline(gm, ctx)
         devices = {self.pool.targets[fqn].info.device for fqn in ctx.rewritten}
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
-        router = Router(lora, nolora, self.pool, device)
+        if self.cuda_graphs and self.graphs is None:
+            self.graphs = GraphSet(device, enabled=True)
+        router = Router(lora, nolora, self.pool, device, self.graphs)
         kinds = Counter(ctx.rewritten.values())
         summary = ", ".join(f"{n} x {op}" for op, n in sorted(kinds.items())) or "no LoRA ops"
         ctx.report.insert(0, f"graph {len(self.routers)}: {summary}")
@@ -70,6 +77,13 @@ class Backend:
     def explain(self) -> Iterable[str]:
         yield from self.pool.describe()
         yield from self.arena.describe()
+        if self.graphs is not None:
+            yield (
+                f"CUDA graphs: {len(self.graphs._calls)} captured (one per variant and input signature) in "
+                f"{self.graphs.capture_seconds:.1f} s"
+                if self.graphs.enabled
+                else f"CUDA graphs: off, {self.graphs.fallback_reason}"
+            )
         for report in self.reports:
             yield from report
         for fqn in sorted(set(self.pool.targets) - set(self.rewritten)):
@@ -92,4 +106,3 @@ def fxlora_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mappi
     if id(options) not in _BACKENDS:  # the dict is kept alive beside its backend, so ids stay unique
         _BACKENDS[id(options)] = (options, Backend.from_options(options))
     return _BACKENDS[id(options)][1](gm, example_inputs)
-

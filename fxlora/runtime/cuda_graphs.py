@@ -6,6 +6,10 @@ capture produced (static tensors every replay rewrites), and replays by key. All
 a set allocate from one private pool, captured largest first so smaller ones reuse its
 blocks. When graphs cannot be used (no CUDA, or a capture fails) the set says why once, in
 a logged warning, and runs the callable eagerly instead: slower, never wrong.
+
+:meth:`GraphSet.call` serves callers that own no static buffers (``torch.compile(...,
+backend="fxlora", options={"cuda_graphs": True})``): it captures per input signature on
+first use and copies inputs in and mutated inputs and outputs out around each replay.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +28,11 @@ log = logging.getLogger(__name__)
 class GraphSet:
     def __init__(self, device: torch.device, enabled: bool | None = None):
         self.device = device
-        self.enabled = device.type == "cuda" if enabled is None else enabled
-        if self.enabled and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device}")
-        self.fallback_reason: str | None = None if self.enabled else f"the model is on {device}, not CUDA"
+        self.enabled = enabled is not False and device.type == "cuda"
+        # turned off by the caller: nothing to warn about; asked for (or by default) on CPU: say so
+        self.fallback_reason = None if enabled is False else f"the model is on {device}, not CUDA"
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self._calls: dict[Hashable, _Captured] = {}
         self.capture_seconds = 0.0
         self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self._warned = False
@@ -53,11 +58,13 @@ class GraphSet:
         self.capture_seconds += time.perf_counter() - start
         log.info("fxlora: captured %d CUDA graphs in %.1f s", len(keys), time.perf_counter() - start)
 
-    def _capture_one(self, fn: Callable[[Hashable], Any], key: Hashable) -> tuple[torch.cuda.CUDAGraph, Any]:
+    def _capture_one(
+        self, fn: Callable[[Hashable], Any], key: Hashable, warmups: int = 2
+    ) -> tuple[torch.cuda.CUDAGraph, Any]:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):  # first calls compile kernels and set up cuBLAS workspaces
+            for _ in range(warmups):  # first calls compile kernels and set up cuBLAS workspaces
                 fn(key)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
@@ -75,10 +82,42 @@ class GraphSet:
         graph.replay()
         return out
 
+    def call(self, key: Hashable, fn: Callable[..., Any], args: tuple) -> Any:
+        """``fn(*args)``, replayed from a graph captured for ``key`` and the signature of
+        ``args`` (shapes, strides, dtypes; the address of every static input).
+
+        The first call of a signature runs ``fn`` eagerly on ``args`` (its result is the
+        answer, and it notes which inputs ``fn`` mutates), then captures ``fn`` on private
+        copies of the inputs whose address may change. Static inputs (parameters, buffers,
+        tensors marked with ``torch._dynamo.mark_static_address``) are read in place; a new
+        address is a new signature. Replays copy the inputs in, mutated inputs back, and
+        return copies of the outputs, so callers never see a later replay overwrite them.
+        """
+        if not self.enabled:
+            self._warn()
+            return fn(*args)
+        sig = (key, *(_signature(a) for a in args))
+        captured = self._calls.get(sig)
+        if captured is None:
+            versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+            out = fn(*args)
+            mutated = {i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v}
+            start = time.perf_counter()
+            try:
+                self._calls[sig] = _Captured(self, fn, args, mutated)
+                self.capture_seconds += time.perf_counter() - start
+            except Exception as e:  # noqa: BLE001 - as in capture(): run eagerly from now on, and say why
+                self._calls.clear()
+                self.enabled = False
+                self.fallback_reason = f"capturing {key} failed: {type(e).__name__}: {e}"
+                self._warn()
+            return out
+        return captured(args)
+
     @property
     def pool_bytes(self) -> int:
         """Device memory held by the graphs' private pool."""
-        if not self.graphs:
+        if not self.graphs and not self._calls:
             return 0
         pool = tuple(self._pool)
         return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == pool)
@@ -87,3 +126,36 @@ class GraphSet:
         if not self._warned and self.fallback_reason is not None:
             log.warning("fxlora: running without CUDA graphs: %s", self.fallback_reason)
             self._warned = True
+
+
+def _is_static(x: torch.Tensor) -> bool:
+    return isinstance(x, torch.nn.Parameter) or torch._dynamo.utils.get_static_address_type(x) is not None
+
+
+def _signature(x: Any) -> Hashable:
+    if not isinstance(x, torch.Tensor):
+        return x if isinstance(x, Hashable) else repr(x)
+    where = x.data_ptr() if _is_static(x) else None
+    return (tuple(x.shape), x.stride(), x.dtype, x.device, where)
+
+
+class _Captured:
+    """One captured signature of :meth:`GraphSet.call`."""
+
+    def __init__(self, graphs: GraphSet, fn: Callable[..., Any], args: tuple, mutated: set[int]):
+        # graphs read copies of the inputs whose address may change between calls
+        self.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not _is_static(a)]
+        self.mutated = sorted(mutated & set(self.copied))
+        inputs = list(args)
+        for i in self.copied:
+            inputs[i] = args[i].clone()
+        self.inputs = inputs
+        self.graph, self.out = graphs._capture_one(lambda _: fn(*inputs), None, warmups=0)
+
+    def __call__(self, args: tuple) -> Any:
+        for i in self.copied:
+            self.inputs[i].copy_(args[i])
+        self.graph.replay()
+        for i in self.mutated:
+            args[i].copy_(self.inputs[i])
+        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.out)

@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from fxlora.adapters import AdapterPool
 from fxlora.passes.graph_edit import BASE_CALL
+from fxlora.runtime.cuda_graphs import GraphSet
 
 # Modules whose LoRA ran during the current call, when the caller records them.
 _covered: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("fxlora_covered", default=None)
@@ -73,8 +74,17 @@ def record_coverage() -> Iterator[set[str]]:
 class Router:
     """Runs one compiled graph's ``lora`` or ``nolora`` variant, as the current names ask."""
 
-    def __init__(self, lora: fx.GraphModule | None, nolora: fx.GraphModule, pool: AdapterPool, device: torch.device):
+    def __init__(
+        self,
+        lora: fx.GraphModule | None,
+        nolora: fx.GraphModule,
+        pool: AdapterPool,
+        device: torch.device,
+        graphs: GraphSet | None = None,
+    ):
+        """``graphs``: replay the variants from CUDA graphs captured per input signature."""
         self.lora, self.nolora, self.pool, self.device = lora, nolora, pool, device
+        self.graphs = graphs
         self.lora_modules = frozenset(
             n.meta["fxlora_module"] for n in (lora.graph.nodes if lora is not None else ()) if n.meta.get(BASE_CALL)
         )
@@ -93,9 +103,15 @@ class Router:
     def __call__(self, *args):
         slot_ids = self._slot_ids() if self.lora is not None else None
         if slot_ids is None:
-            return self.nolora(*args)
-        out = self.lora(*args, slot_ids)
+            return self._run("nolora", args)
+        out = self._run("lora", (*args, slot_ids))
         covered = _covered.get()
         if covered is not None:
             covered |= self.lora_modules
         return out
+
+    def _run(self, variant: str, args: tuple):
+        fn = getattr(self, variant)
+        if self.graphs is None:
+            return fn(*args)
+        return self.graphs.call((id(self), variant), fn, args)
