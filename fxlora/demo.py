@@ -1,6 +1,7 @@
 """``python -m fxlora.demo``: a tiny random Llama, three PEFT adapters, one mixed batch.
 
-Prints, per row, the adapter it used and its error against PEFT with that adapter, then
+Prints, per row, the adapter it used and its error against PEFT with that adapter, greedy
+generation for the same mixed batch against PEFT's ``generate`` per adapter, then
 wall-clock times of the same batch through fxlora and through PEFT one adapter at a time.
 Runs on the CPU in well under a minute; the times are an illustration on a toy model,
 not a benchmark (see ``benchmarks/``).
@@ -17,7 +18,7 @@ import torch
 from peft import LoraConfig
 
 import fxlora
-from fxlora.testing import make_adapter, peft_model_with, reference_logits, row_errors, tiny_model
+from fxlora.testing import make_adapter, peft_model_with, reference_generate, reference_logits, row_errors, tiny_model
 
 ADAPTERS = {
     "sql": LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
@@ -66,6 +67,14 @@ def main(argv: list[str] | None = None) -> None:
         for i, (name, err) in enumerate(zip(names, errors)):
             print(f"{i:>3}  {str(name):<8} {err:>19.2e}")
 
+        new = 8
+        generated = cm.generate(ids, mask, adapter_names=names, max_new_tokens=new, eos_token_id=())[:, -new:]
+        wanted = reference_generate(model, peft_model, names, ids, mask, new, None, 0)
+        same = generated.eq(wanted).all(1).tolist()
+        print(f"\ngenerate, {new} greedy tokens per row: {sum(same)}/{len(same)} rows equal PEFT's generate")
+        for i, (name, row) in enumerate(zip(names, generated.tolist())):
+            print(f"{i:>3}  {str(name):<8} {row}")
+
         timings = {
             "fxlora, mixed batch": _time(lambda: cm(**inputs, adapter_names=names), args.repeats),
             "PEFT, one adapter at a time": _time(lambda: reference_logits(model, peft_model, names, **inputs), args.repeats),
@@ -78,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         worst = max(errors)
         if worst > fxlora.testing.RTOL[torch.float32]:
             raise SystemExit(f"error {worst:.2e} exceeds the float32 tolerance")
+        if not all(same):
+            raise SystemExit("generated tokens differ from PEFT's")
 
 
 if __name__ == "__main__":
