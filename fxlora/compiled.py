@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fxlora.adapters import AdapterPool, model_modules, read_adapter
+from fxlora.adapters import AdapterPool, experts, model_modules, read_adapter
 from fxlora.adapters.peft_format import AdapterSource
 from fxlora.errors import AdapterError
 from fxlora.runtime import Backend, use_adapters
@@ -127,7 +127,7 @@ class CompiledModel(torch.nn.Module):
     def load_adapter(self, name: str, source: AdapterSource) -> None:
         """Load an adapter into a free slot: graphs are not retraced. On any error nothing
         changes."""
-        self.pool.load(read_adapter(name, source))
+        self.pool.load(experts.resolve(read_adapter(name, source), self.model))
 
     def unload_adapter(self, name: str) -> None:
         self.pool.unload(name)
@@ -191,6 +191,13 @@ def compile(
         adapters[name] = source
     if target_modules is None and not adapters:
         target_modules = "all-linear"
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) in (None, "eager") and any(
+        experts.is_experts(m) for m in model.modules()
+    ):
+        # the eager experts loop reads routing on the host and breaks the graph; this one traces
+        model.set_experts_implementation("grouped_mm")
+        log.info("fxlora: experts switched to the traceable grouped_mm implementation")
     output_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     pool = AdapterPool(
         max_loras,
@@ -199,7 +206,7 @@ def compile(
         output_embedding=next((n for n, m in model.named_modules() if m is output_head), None),
     )
     for name, source in adapters.items():
-        pool.load(read_adapter(name, source))
+        pool.load(experts.resolve(read_adapter(name, source), model))
     pool.register_modules(model_modules(model), complete=True)
     backend = Backend(pool)
     compiled = torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph)

@@ -41,7 +41,6 @@ UNSUPPORTED_FEATURES = {
     "monteclora_config": "MonteCLoRA (monteclora_config)",
     "kasa_config": "KaSA (kasa_config)",
     "megatron_config": "Megatron parallel layers (megatron_config)",
-    "target_parameters": "target_parameters (LoRA on parameters such as MoE experts)",
 }
 
 _PREFIX = "base_model.model."
@@ -63,16 +62,26 @@ AdapterSource = Union[str, os.PathLike, tuple, Mapping, "LoraAdapter"]
 
 @dataclass(frozen=True)
 class LoraFactors:
-    """One module's LoRA: ``delta = scaling * (x @ a.T) @ b.T``; for an embedding ``x`` is one-hot."""
+    """One module's LoRA: ``delta = scaling * (x @ a.T) @ b.T``; for an embedding ``x`` is one-hot.
 
-    kind: Literal["linear", "embedding"]
+    ``"parameter"``: PEFT ``target_parameters`` LoRA of a 3-D experts parameter as saved,
+    ``a (E·r, in)``, ``b (out, r·E)``, keyed by PEFT's wrapper path; the model tells which
+    parameter it is (:mod:`fxlora.adapters.experts`), which makes it ``"experts"``:
+    ``a (E_a, r, in)``, ``b (E_b, out, r)`` per expert, ``E_a`` or ``E_b`` 1 when that factor
+    is shared by all experts."""
+
+    kind: Literal["linear", "embedding", "parameter", "experts"]
     a: torch.Tensor  # (r, in_features); for an embedding (r, num_embeddings)
     b: torch.Tensor  # (out_features, r); for an embedding (embedding_dim, r)
     scaling: float
+    r: int | None = None  # the rank where ``a``'s shape does not say it ("parameter")
+    format: str | None = None  # how an "experts" LoRA was written, for explain()
 
     @property
     def rank(self) -> int:
-        return self.a.shape[0]
+        if self.r is not None:
+            return self.r
+        return self.a.shape[-2] if self.kind == "experts" else self.a.shape[0]
 
 
 @dataclass(frozen=True)
@@ -203,6 +212,9 @@ def _factors(
             missing = "A" if "A" not in ab else "B"
             raise AdapterError(f"adapter {name!r} ({where}): module {module!r} lacks its lora_{missing} tensor")
         a, b = ab["A"], ab["B"]
+        if _wraps_parameter(config, module):
+            modules[module] = _parameter_factors(name, where, config, module, a, b)
+            continue
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise AdapterError(
                 f"adapter {name!r} ({where}): module {module!r} has lora_A {tuple(a.shape)} and lora_B "
@@ -224,3 +236,30 @@ def _factors(
         scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
         modules[module] = LoraFactors(kinds[module], a, b, scaling)
     return modules, base_weights
+
+
+def unwrapped(path: str) -> str:
+    """A PEFT wrapper path without its ``.base_layer`` parts: the module that owns the parameter."""
+    return re.sub(r"(\.base_layer)+$", "", path)
+
+
+def _wraps_parameter(config: LoraConfig, module: str) -> bool:
+    """Whether ``module`` is PEFT's wrapper of a ``target_parameters`` entry."""
+    owner = unwrapped(module)
+    for entry in config.target_parameters or ():
+        entry_owner = entry.rpartition(".")[0]
+        if owner == entry_owner or owner.endswith("." + entry_owner):
+            return True
+    return False
+
+
+def _parameter_factors(name: str, where: str, config: LoraConfig, module: str, a, b) -> LoraFactors:
+    r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
+    alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] % r or b.shape[1] % r:
+        raise AdapterError(
+            f"adapter {name!r} ({where}): parameter LoRA {module!r} has lora_A {tuple(a.shape)} and lora_B "
+            f"{tuple(b.shape)}, which are not (experts * r, in) and (out, r * experts) for r={r}"
+        )
+    scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
+    return LoraFactors("parameter", a, b, scaling, r=r)

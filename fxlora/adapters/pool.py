@@ -31,12 +31,14 @@ NO_ADAPTER = -1
 class ModuleInfo:
     """What the pool needs to know of a module that may carry LoRA."""
 
-    kind: Literal["linear", "embedding"]
+    kind: Literal["linear", "embedding", "experts"]
     in_features: int  # for an embedding: num_embeddings
     out_features: int  # for an embedding: embedding_dim
     dtype: torch.dtype
     device: torch.device
     weight: torch.Tensor | None = field(default=None, repr=False)
+    experts: int = 0  # for "experts": a 3-D parameter of this many experts ...
+    owner: torch.nn.Module | None = field(default=None, repr=False)  # ... held by this experts module
 
     @staticmethod
     def of(module: torch.nn.Module) -> ModuleInfo | None:
@@ -53,8 +55,19 @@ class ModuleInfo:
 
 
 def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
-    """Every linear (``nn.Linear``, transformers' ``Conv1D``) and embedding module of ``model``."""
-    return {name: info for name, m in model.named_modules() if (info := ModuleInfo.of(m)) is not None}
+    """Every linear (``nn.Linear``, transformers' ``Conv1D``) and embedding module of
+    ``model``, and the up and down parameters of every experts module."""
+    from fxlora.adapters import experts
+
+    found = {}
+    for name, m in model.named_modules():
+        if (info := ModuleInfo.of(m)) is not None:
+            found[name] = info
+        elif experts.is_experts(m):
+            for p, w in experts.experts_parameters(m).items():
+                fin, fout = experts.in_out(m, w)
+                found[f"{name}.{p}"] = ModuleInfo("experts", fin, fout, w.dtype, w.device, w, w.shape[0], m)
+    return found
 
 
 class PoolTarget:
@@ -63,8 +76,9 @@ class PoolTarget:
     def __init__(self, fqn: str, info: ModuleInfo, slots: int, max_rank: int):
         self.fqn, self.info = fqn, info
         kw = dict(dtype=info.dtype, device=info.device)
-        self.lora_a = torch.zeros(slots, max_rank, info.in_features, **kw)
-        self.lora_b = torch.zeros(slots, info.out_features, max_rank, **kw)
+        per_expert = (info.experts,) if info.kind == "experts" else ()  # (slots, [experts,] ...)
+        self.lora_a = torch.zeros(slots, *per_expert, max_rank, info.in_features, **kw)
+        self.lora_b = torch.zeros(slots, *per_expert, info.out_features, max_rank, **kw)
         self.scaling = torch.zeros(slots, dtype=torch.float32, device=info.device)
         self.rank = torch.zeros(slots, dtype=torch.int32, device=info.device)
 
@@ -81,8 +95,8 @@ class PoolTarget:
             self.scaling[slot], self.rank[slot] = 0.0, 0
             return
         r = factors.rank
-        self.lora_a[slot, :r].copy_(factors.a)
-        self.lora_b[slot, :, :r].copy_(factors.b)
+        self.lora_a[slot, ..., :r, :].copy_(factors.a)  # an expert dimension of 1 broadcasts
+        self.lora_b[slot, ..., :r].copy_(factors.b)
         self.scaling[slot], self.rank[slot] = factors.scaling, r
 
 
@@ -145,6 +159,11 @@ class AdapterPool:
 
     def _check_exists(self, adapter: LoraAdapter, modules: Iterable[str]) -> None:
         for fqn in adapter.modules.keys() - modules:
+            if adapter.modules[fqn].kind == "parameter":
+                raise AdapterError(
+                    f"adapter {adapter.name!r} ({adapter.source}): target_parameters LoRA {fqn!r} needs the model to "
+                    "tell which parameter it is: use fxlora.compile(model, ...)"
+                )
             raise AdapterError(
                 f"adapter {adapter.name!r} ({adapter.source}): targets module {fqn!r}, which the model lacks "
                 "(or which is not an nn.Linear, transformers Conv1D or nn.Embedding)"
@@ -155,8 +174,15 @@ class AdapterPool:
         where = f"adapter {adapter.name!r} ({adapter.source}): module {fqn!r}"
         if f.kind != info.kind:
             raise AdapterError(f"{where}: the adapter has {f.kind} LoRA but the model's module is an {info.kind}")
-        want_a, want_b = (f.rank, info.in_features), (info.out_features, f.rank)
-        if tuple(f.a.shape) != want_a or tuple(f.b.shape) != want_b:
+        if f.kind == "experts":
+            # a per-expert dimension, or 1: one factor shared by every expert
+            fits = f.a.shape[0] in (1, info.experts) and f.b.shape[0] in (1, info.experts)
+            want_a, want_b = (info.experts, f.rank, info.in_features), (info.experts, info.out_features, f.rank)
+            fits = fits and f.a.shape[1:] == want_a[1:] and f.b.shape[1:] == want_b[1:]
+        else:
+            want_a, want_b = (f.rank, info.in_features), (info.out_features, f.rank)
+            fits = tuple(f.a.shape) == want_a and tuple(f.b.shape) == want_b
+        if not fits:
             raise AdapterError(
                 f"{where}: shape mismatch: lora_A {tuple(f.a.shape)} and lora_B {tuple(f.b.shape)} do not fit the "
                 f"model's {info.kind} ({info.in_features} -> {info.out_features}), which needs {want_a} and {want_b}"

@@ -14,11 +14,12 @@ from fxlora.passes.context import PassContext
 from fxlora.passes.hoist import hoist
 from fxlora.passes.lora_embedding import lora_embedding
 from fxlora.passes.lora_linear import lora_linear
+from fxlora.passes.lora_moe import lora_moe
 from fxlora.passes.specialize import specialize
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
-PIPELINE: list[Pass] = [annotate, lora_linear, lora_embedding, batch_info]
+PIPELINE: list[Pass] = [annotate, lora_linear, lora_embedding, lora_moe, batch_info]
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule | None, fx.GraphModule]:

@@ -18,6 +18,7 @@ class PassContext:
     report: list[str] = field(default_factory=list)  # one line per decision, for explain()
     rewritten: dict[str, str] = field(default_factory=dict)  # module FQN -> op it became
     arena: Arena | None = None  # where ``hoist`` places allocations; None: leave them
+    inputs: list | None = None  # the real values of the graph's placeholders (Dynamo's example inputs)
 
     def note(self, line: str) -> None:
         self.report.append(line)

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 ADDED = "fxlora_added"  # meta flag on every node a pass inserts; specialize strips them
 BASE_CALL = "fxlora_base"  # meta on a LoRA op: (target, args, kwargs) of the base call it replaced
+REGION_OUTPUT = "fxlora_region_output"  # meta on a LoRA op that replaced a region: the region's output node
+REPLACED = "fxlora_replaced"  # meta flag on the nodes of such a region; specialize strips them from lora
+TARGETS = "fxlora_targets"  # meta on a region's LoRA op: the pool targets it serves
 
 
 @dataclass(frozen=True)
@@ -84,10 +87,15 @@ def replace_with(gm: fx.GraphModule, node: fx.Node, op: Callable, args: tuple) -
     return new
 
 
-def meta_shape(node: Any) -> tuple | None:
+def meta_value(node: Any) -> Any:
+    """The traced (fake) value of ``node``, or None."""
     if not isinstance(node, fx.Node):
         return None
-    val = node.meta.get("val", node.meta.get("example_value"))
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def meta_shape(node: Any) -> tuple | None:
+    val = meta_value(node)
     return tuple(val.shape) if hasattr(val, "shape") else None
 
 

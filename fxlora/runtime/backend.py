@@ -58,7 +58,7 @@ class Backend:
         return cls(pool, cuda_graphs=bool(options.get("cuda_graphs", False)))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
-        ctx = PassContext(self.pool, arena=self.arena)
+        ctx = PassContext(self.pool, arena=self.arena, inputs=list(example_inputs))
         lora, nolora = run_pipeline(gm, ctx)
         devices = {self.pool.targets[fqn].info.device for fqn in ctx.rewritten}
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import AdapterPool
-from fxlora.passes.graph_edit import BASE_CALL
+from fxlora.passes.graph_edit import BASE_CALL, TARGETS
 from fxlora.runtime.cuda_graphs import GraphSet
 
 # Modules whose LoRA ran during the current call, when the caller records them.
@@ -85,8 +85,11 @@ class Router:
         """``graphs``: replay the variants from CUDA graphs captured per input signature."""
         self.lora, self.nolora, self.pool, self.device = lora, nolora, pool, device
         self.graphs = graphs
-        self.lora_modules = frozenset(
-            n.meta["fxlora_module"] for n in (lora.graph.nodes if lora is not None else ()) if n.meta.get(BASE_CALL)
+        self.lora_modules = frozenset().union(
+            *(
+                n.meta.get(TARGETS) or ({n.meta["fxlora_module"]} if n.meta.get(BASE_CALL) else set())
+                for n in (lora.graph.nodes if lora is not None else ())
+            )
         )
 
     def _slot_ids(self) -> torch.Tensor | None:

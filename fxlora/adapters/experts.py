@@ -1,0 +1,181 @@
+"""MoE experts: find them in a model, and turn each adapter format for them into per-expert
+factors of the fused 3-D parameters.
+
+An experts module is one ``transformers`` built with ``use_experts_implementation``: its
+instances carry ``has_gate``, ``has_bias``, ``is_transposed`` and ``is_concatenated``, and
+hold ``gate_up_proj`` (or ``up_proj`` without a gate) and ``down_proj`` as ``(E, out, in)``
+parameters, ``(E, in, out)`` when transposed. Each of the two is a pool target of its own,
+named ``<experts>.<parameter>``.
+
+Adapter formats, all resolved to ``LoraFactors("experts", a (E_a, r, in), b (E_b, out, r))``:
+
+- PEFT ``target_parameters`` (``experts.gate_up_proj``, ``experts.down_proj``): PEFT nests
+  one wrapper per targeted parameter, in the order the module registered them, the first
+  innermost; ``lora_A (E·r, in)`` holds expert ``e``'s rows at ``e·r …``, ``lora_B (out, r·E)``
+  its columns at ``… ·E + e``.
+- The shared-outer layout: the same, with an expert dimension of 1 in one factor
+  (``lora_A (r, in)`` or ``lora_B (out, r)``), shared by every expert.
+- Per-expert modules as written against older layouts: ``experts.<e>.gate_proj`` /
+  ``up_proj`` / ``down_proj``, or Mixtral's ``w1`` / ``w3`` / ``w2``. Gate and up LoRA of an
+  expert become one LoRA of ``gate_up_proj`` of rank ``r_gate + r_up`` (``A`` stacked, ``B``
+  block-diagonal, each block at its half's output rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+
+import torch
+
+from fxlora.adapters.peft_format import LoraAdapter, LoraFactors, unwrapped
+from fxlora.errors import AdapterError
+
+UP_PARAMETERS = ("gate_up_proj", "up_proj")
+PER_EXPERT_NAMES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_PER_EXPERT = re.compile(r"^(?P<experts>.+)\.(?P<e>\d+)\.(?P<proj>[a-z_0-9]+)$")
+
+
+def is_experts(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated")) and (
+        isinstance(getattr(module, "down_proj", None), torch.nn.Parameter)
+    )
+
+
+def experts_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The experts' up (``gate_up_proj`` / ``up_proj``) and ``down_proj`` parameters."""
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    return {up: getattr(module, up), "down_proj": module.down_proj}
+
+
+def layout(module: torch.nn.Module) -> dict | str:
+    """How ``fxlora::moe_lora`` computes these experts (``transposed``, ``gate``, ``act``,
+    ``alpha``, ``limit``), or why it cannot."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    if getattr(module, "has_post_expert_norm", False):
+        return "a norm after each expert (has_post_expert_norm) is not supported"
+    alpha, limit = float(getattr(module, "alpha", 0.0)), float(getattr(module, "limit", 0.0))
+    if not module.has_gate:
+        gate = "act"
+    elif type(module)._apply_gate is _default_apply_gate and module.is_concatenated:
+        gate = "glu"
+    elif not module.is_concatenated and hasattr(module, "alpha") and hasattr(module, "limit"):
+        gate = "glu_interleaved_clamped"  # GPT-OSS's clamped SwiGLU over interleaved gate/up columns
+    else:
+        return f"its gate ({type(module).__name__}._apply_gate) is not one fxlora::moe_lora knows"
+    act = getattr(getattr(module, "config", None), "hidden_act", "silu")
+    return dict(transposed=bool(module.is_transposed), gate=gate, act=act, alpha=alpha, limit=limit)
+
+
+def in_out(module: torch.nn.Module, weight: torch.Tensor) -> tuple[int, int]:
+    _, d1, d2 = weight.shape
+    return (d1, d2) if module.is_transposed else (d2, d1)
+
+
+def resolve(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
+    """``adapter`` with every experts LoRA keyed by ``<experts>.<parameter>`` as ``"experts"``
+    factors; other modules unchanged."""
+    modules = dict(model.named_modules())
+    where = f"adapter {adapter.name!r} ({adapter.source})"
+    out: dict[str, LoraFactors] = {}
+    per_expert: dict[str, dict[tuple[int, str], LoraFactors]] = defaultdict(dict)
+    formats = set()
+    for key, f in adapter.modules.items():
+        m = _PER_EXPERT.match(key)
+        if f.kind == "parameter":
+            fqn, factors = _from_parameter(where, adapter, key, f, modules)
+            out[fqn] = factors
+            formats.add(factors.format)
+        elif key not in modules and m and m["experts"] in modules and is_experts(modules[m["experts"]]):
+            proj = PER_EXPERT_NAMES.get(m["proj"])
+            if proj is None:
+                raise AdapterError(f"{where}: module {key!r}: {m['proj']!r} is not an expert projection")
+            per_expert[m["experts"]][(int(m["e"]), proj)] = f
+        else:
+            out[key] = f
+    for experts, parts in per_expert.items():
+        for fqn, factors in _from_per_expert(where, experts, modules[experts], parts).items():
+            out[fqn] = factors
+    if out == adapter.modules:
+        return adapter
+    return dataclasses.replace(adapter, modules=out)
+
+
+def _from_parameter(where, adapter, key, f, modules) -> tuple[str, LoraFactors]:
+    owner = unwrapped(key)
+    module = modules.get(owner)
+    if module is None or not is_experts(module):
+        raise AdapterError(f"{where}: target_parameters LoRA {key!r}: the model has no experts module {owner!r}")
+    depth = (len(key) - len(owner)) // len(".base_layer")
+    entries = adapter.config.target_parameters or ()
+    targeted = [
+        p
+        for p, _ in module.named_parameters(recurse=False)
+        if any(f"{owner}.{p}" == e or f"{owner}.{p}".endswith("." + e) for e in entries)
+    ]
+    if depth >= len(targeted):
+        raise AdapterError(f"{where}: target_parameters LoRA {key!r} does not match the parameters it targets {targeted}")
+    name = targeted[len(targeted) - 1 - depth]
+    params = experts_parameters(module)
+    if name not in params:
+        raise AdapterError(f"{where}: target_parameters LoRA of {owner}.{name}: only {sorted(params)} are supported")
+    weight = params[name]
+    experts = weight.shape[0]
+    fin, fout = in_out(module, weight)
+    r = f.rank
+    ea, eb = f.a.shape[0] // r, f.b.shape[1] // r
+    if ea not in (1, experts) or eb not in (1, experts) or f.a.shape[1] != fin or f.b.shape[0] != fout:
+        raise AdapterError(
+            f"{where}: shape mismatch: LoRA of {owner}.{name} has lora_A {tuple(f.a.shape)} and lora_B "
+            f"{tuple(f.b.shape)}, but the parameter ({experts} experts, {fin} -> {fout}) needs "
+            f"({experts}*{r} or {r}, {fin}) and ({fout}, {r}*{experts} or {r})"
+        )
+    a = f.a.reshape(ea, r, fin)
+    b = f.b.reshape(fout, r, eb).permute(2, 0, 1)
+    fmt = "target_parameters" if ea == eb == experts else "shared-outer"
+    return f"{owner}.{name}", LoraFactors("experts", a, b, f.scaling, format=fmt)
+
+
+def _from_per_expert(where, experts_fqn, module, parts) -> dict[str, LoraFactors]:
+    params = experts_parameters(module)
+    up_name = next(n for n in params if n in UP_PARAMETERS)
+    count = params["down_proj"].shape[0]
+    out = {}
+    for name, halves in ((up_name, ("gate", "up") if module.has_gate else ("up",)), ("down_proj", ("down",))):
+        weight = params[name]
+        fin, fout = in_out(module, weight)
+        got = {(e, p): f for (e, p), f in parts.items() if p in halves}
+        if not got:
+            continue
+        rank = max(sum(got[(e, p)].rank for p in halves if (e, p) in got) for e in range(count))
+        a = torch.zeros(count, rank, fin, dtype=next(iter(got.values())).a.dtype)
+        b = torch.zeros(count, fout, rank, dtype=a.dtype)
+        width = fout // len(halves)
+        for e in range(count):
+            col = 0
+            for i, p in enumerate(halves):
+                f = got.get((e, p))
+                if f is None:
+                    continue
+                if f.a.shape[1] != fin or f.b.shape[0] != width:
+                    raise AdapterError(
+                        f"{where}: shape mismatch: LoRA of {experts_fqn}.{e} {p} has lora_A {tuple(f.a.shape)} and "
+                        f"lora_B {tuple(f.b.shape)}, but {experts_fqn}.{name} needs (r, {fin}) and ({width}, r)"
+                    )
+                rows = _half_rows(module, i, len(halves), fout)
+                a[e, col : col + f.rank] = f.a
+                b[e, rows, col : col + f.rank] = f.b * f.scaling
+                col += f.rank
+        out[f"{experts_fqn}.{name}"] = LoraFactors("experts", a, b, 1.0, format="per-expert modules")
+    return out
+
+
+def _half_rows(module, i: int, halves: int, fout: int):
+    """Output rows of half ``i`` (gate 0, up 1) of a fused up projection."""
+    if halves == 1:
+        return slice(None)
+    if module.is_concatenated:
+        return slice(i * fout // 2, (i + 1) * fout // 2)
+    return slice(i, None, 2)

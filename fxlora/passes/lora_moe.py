@@ -1,0 +1,125 @@
+"""lora_moe: each experts region of the graph becomes one ``fxlora::moe_lora`` call.
+
+An experts module whose ``gate_up_proj`` / ``up_proj`` or ``down_proj`` the pool targets is
+found by module boundary: the call nodes ``annotate`` attributed to it or its submodules,
+whatever experts implementation traced them (``grouped_mm``, ``batched_mm``). The region
+must have one output; its inputs are the hidden states, the routing (``top_k_index``,
+``top_k_weights``) and the module's parameters, recognised by identity with the model's
+tensors. The op is inserted after the region and takes over its users; the region's nodes
+are marked, and ``specialize`` drops them from ``lora`` and drops the op from ``nolora``,
+which keeps the region exactly as traced. The layout (transposed weights, the gate, the
+activation) is read from the experts class (:func:`fxlora.adapters.experts.layout`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from fxlora.adapters import experts
+from fxlora.passes.batch_info import batch_info_for
+from fxlora.passes.context import PassContext
+from fxlora.passes.graph_edit import REGION_OUTPUT, REPLACED, TARGETS, meta_value, pool_nodes
+
+OP = "fxlora::moe_lora"
+
+
+def lora_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    groups: dict[str, dict[str, object]] = defaultdict(dict)  # experts FQN -> parameter -> pool target
+    for fqn, target in ctx.pool.targets.items():
+        if target.info.kind == "experts":
+            owner, _, param = fqn.rpartition(".")
+            groups[owner][param] = target
+    values = _input_values(gm, ctx)
+    for owner, targets in groups.items():
+        region = [n for n in gm.graph.nodes if n.op.startswith("call") and _inside(n.meta.get("fxlora_module"), owner)]
+        if region:
+            _rewrite(gm, ctx, owner, targets, region, values)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _inside(fqn: str | None, owner: str) -> bool:
+    return fqn is not None and (fqn == owner or fqn.startswith(owner + "."))
+
+
+def _input_values(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, object]:
+    """The real tensors behind placeholders (Dynamo's example inputs) and ``get_attr`` nodes."""
+    values: dict[fx.Node, object] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, ctx.inputs or ()):
+        values[node] = value
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                values[node] = gm.get_parameter(node.target)
+            except AttributeError:
+                continue
+    return values
+
+
+def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.Node], values) -> None:
+    module = next(iter(targets.values())).info.owner
+    layout = experts.layout(module)
+    if isinstance(layout, str):
+        ctx.note(f"skipped {owner}: {layout}")
+        return
+    inside = set(region)
+    outputs = [n for n in region if any(u not in inside for u in n.users)]
+    if len(outputs) != 1:
+        ctx.note(f"skipped {owner}: its traced region has {len(outputs)} outputs, not one")
+        return
+    external: dict[fx.Node, None] = {}
+    for n in region:
+        for a in n.all_input_nodes:
+            if a not in inside:
+                external[a] = None
+    params = experts.experts_parameters(module)
+    up_name = next(n for n in params if n in experts.UP_PARAMETERS)
+    wanted = {
+        "up": params[up_name],
+        "down": params["down_proj"],
+        "up_bias": getattr(module, f"{up_name}_bias", None) if module.has_bias else None,
+        "down_bias": getattr(module, "down_proj_bias", None) if module.has_bias else None,
+    }
+    by_tensor = {id(v): n for n, v in values.items() if n in external}
+    found = {k: by_tensor.get(id(v)) for k, v in wanted.items() if v is not None}
+    if any(n is None for n in found.values()):
+        missing = [k for k, n in found.items() if n is None]
+        ctx.note(f"skipped {owner}: the traced region does not read its parameters {missing} directly")
+        return
+    data = [n for n in external if n not in found.values() and isinstance(meta_value(n), torch.Tensor)]
+    index = [n for n in data if not meta_value(n).dtype.is_floating_point]
+    floats = [n for n in data if meta_value(n).dtype.is_floating_point]
+    fin = targets[up_name].info.in_features if up_name in targets else experts.in_out(module, wanted["up"])[0]
+    hidden = [n for n in floats if meta_value(n).dim() == 2 and meta_value(n).shape[-1] == fin]
+    if len(index) != 1 or len(hidden) != 1 or len(floats) != 2:
+        ctx.note(f"skipped {owner}: its traced region's inputs are not (hidden states, top-k index, top-k weights)")
+        return
+    (top_k_index,), (hidden,) = index, hidden
+    top_k_weights = next(n for n in floats if n is not hidden)
+    output = outputs[0]
+    with gm.graph.inserting_before(output.next):
+        lora = []
+        for name in (up_name, "down_proj"):
+            lora += pool_nodes(gm, targets[name]) if name in targets else [None] * 4
+        info = batch_info_for(gm, ctx, hidden, feature_dims=1)
+        args = (
+            hidden, top_k_index, top_k_weights,
+            found["up"], found.get("up_bias"), found["down"], found.get("down_bias"),
+            *lora, *info,
+            layout["transposed"], layout["gate"], layout["act"], layout["alpha"], layout["limit"],
+        )  # fmt: skip
+        op = gm.graph.call_function(torch.ops.fxlora.moe_lora.default, args)
+    op.meta.update({k: v for k, v in output.meta.items() if k in ("val", "example_value", "nn_module_stack")})
+    op.meta["fxlora_module"] = owner
+    op.meta[REGION_OUTPUT] = output
+    op.meta[TARGETS] = frozenset(f"{owner}.{p}" for p in targets)
+    output.replace_all_uses_with(op, delete_user_cb=lambda user: user is not op)
+    for n in region:
+        n.meta[REPLACED] = True
+    for p in targets:
+        ctx.rewritten[f"{owner}.{p}"] = OP
