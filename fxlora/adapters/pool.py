@@ -159,11 +159,6 @@ class AdapterPool:
 
     def _check_exists(self, adapter: LoraAdapter, modules: Iterable[str]) -> None:
         for fqn in adapter.modules.keys() - modules:
-            if adapter.modules[fqn].kind == "parameter":
-                raise AdapterError(
-                    f"adapter {adapter.name!r} ({adapter.source}): target_parameters LoRA {fqn!r} needs the model to "
-                    "tell which parameter it is: use fxlora.compile(model, ...)"
-                )
             raise AdapterError(
                 f"adapter {adapter.name!r} ({adapter.source}): targets module {fqn!r}, which the model lacks "
                 "(or which is not an nn.Linear, transformers Conv1D or nn.Embedding)"
@@ -199,6 +194,12 @@ class AdapterPool:
     def load(self, adapter: LoraAdapter) -> int:
         """Copy ``adapter`` into a free slot; checks everything before writing anything."""
         name = adapter.name
+        unresolved = [fqn for fqn, f in adapter.modules.items() if f.kind == "parameter"]
+        if unresolved:
+            raise AdapterError(
+                f"adapter {name!r} ({adapter.source}): target_parameters LoRA ({unresolved[0]!r}) needs the model to "
+                "tell which experts parameter it is: serve it with fxlora.compile(model, ...)"
+            )
         if name in self.adapters:
             raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
         free = [s for s in range(self.max_loras) if s not in self.slot_of.values()]
@@ -257,4 +258,6 @@ class AdapterPool:
         yield f"adapter pool: {len(self.targets)} target modules, {self.max_loras} slots, max_rank {self.max_rank}, {self.nbytes / 2**20:.1f} MiB"
         for name, slot in sorted(self.slot_of.items(), key=lambda kv: kv[1]):
             a = self.adapters[name]
-            yield f"  slot {slot}: {name!r} from {a.source}: {len(a.modules)} modules, rank <= {a.max_rank}"
+            formats = sorted({f.format for f in a.modules.values() if f.format})
+            experts = f"; experts LoRA as {', '.join(formats)}" if formats else ""
+            yield f"  slot {slot}: {name!r} from {a.source}: {len(a.modules)} modules, rank <= {a.max_rank}{experts}"

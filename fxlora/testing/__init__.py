@@ -3,9 +3,12 @@ tiny random models and adapters, and the PEFT oracle."""
 
 from fxlora.testing.models import (
     FAMILIES,
+    MOE_FAMILIES,
     layered_module_names,
     lora_module_names,
     make_adapter,
+    per_expert_adapter,
+    shared_outer,
     tiny_config,
     tiny_model,
 )
@@ -34,6 +37,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "FAMILIES",
+    "MOE_FAMILIES",
     "KL_TOL",
     "RTOL",
     "Batch",
@@ -44,6 +48,8 @@ __all__ = [
     "lora_configs",
     "lora_module_names",
     "make_adapter",
+    "per_expert_adapter",
+    "shared_outer",
     "merged_logits",
     "merged_model",
     "model_configs",

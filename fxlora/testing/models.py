@@ -27,6 +27,23 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": dict(model_type="gpt2"),  # Conv1D linears: weights stored (in, out), fan_in_fan_out
 }
 
+# MoE decoders: 4 routed experts, 2 per token, on every layer unless the family keeps dense
+# first layers; experts implementations read from each experts class.
+MOE_FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                      decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                      shared_expert_intermediate_size=40, decoder_sparse_step=1, mlp_only_layers=[]),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                        qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1,
+                        rope_interleave=True, head_dim=4, num_key_value_heads=4),
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
+                    layer_types=None),
+}  # fmt: skip
+
 
 def tiny_config(
     family: str,
@@ -37,10 +54,12 @@ def tiny_config(
     num_key_value_heads: int = 2,
     intermediate_size: int = 48,
     vocab_size: int = 96,
+    **overrides: Any,
 ):
+    """``overrides``: further config fields (e.g. the number of experts of an MoE family)."""
     from transformers import AutoConfig
 
-    kw = dict(FAMILIES[family])
+    kw = {**(FAMILIES.get(family) or MOE_FAMILIES[family]), **overrides}
     model_type = kw.pop("model_type")
     if model_type == "gpt2":
         return AutoConfig.for_model(
@@ -52,8 +71,8 @@ def tiny_config(
         hidden_size=hidden_size,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=hidden_size // num_attention_heads,
+        num_key_value_heads=kw.pop("num_key_value_heads", num_key_value_heads),
+        head_dim=kw.pop("head_dim", hidden_size // num_attention_heads),
         intermediate_size=intermediate_size,
         vocab_size=vocab_size,
         max_position_embeddings=256,
@@ -69,6 +88,10 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **config_kw), dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2 and not p.any():  # e.g. MoE routers start at zero: every token would tie
+                p.normal_(0.0, 0.5)
     return model.eval()
 
 
@@ -112,3 +135,45 @@ def make_adapter(
     directory = directory or tempfile.mkdtemp(prefix="fxlora-adapter-")
     peft_model.save_pretrained(directory)
     return directory
+
+
+@torch.no_grad()
+def per_expert_adapter(model: torch.nn.Module, r: int, seed: int, names=("gate_proj", "up_proj", "down_proj"), scale: float = 0.5):
+    """``(LoraConfig, state_dict)`` of LoRA on every expert as separate modules
+    (``experts.<e>.gate_proj`` ...), as adapters written against per-expert layouts are; ``names``
+    are the gate, up and down projections' names (Mixtral's: ``w1, w3, w2``)."""
+    from fxlora.adapters import experts
+
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for fqn, module in model.named_modules():
+        if not experts.is_experts(module):
+            continue
+        params = experts.experts_parameters(module)
+        up = next(p for p in params if p in experts.UP_PARAMETERS)
+        fin_up, fout_up = experts.in_out(module, params[up])
+        fin_down, fout_down = experts.in_out(module, params["down_proj"])
+        width = fout_up // 2 if module.has_gate else fout_up
+        shapes = dict(zip(names, [(fin_up, width), (fin_up, width), (fin_down, fout_down)]))
+        if not module.has_gate:
+            shapes.pop(names[0])
+        for e in range(params["down_proj"].shape[0]):
+            for name, (fin, fout) in shapes.items():
+                prefix = f"base_model.model.{fqn}.{e}.{name}"
+                state[f"{prefix}.lora_A.weight"] = torch.randn(r, fin, generator=gen) * scale / fin**0.5
+                state[f"{prefix}.lora_B.weight"] = torch.randn(fout, r, generator=gen) * scale / r**0.5
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(names))
+    return config, state
+
+
+def shared_outer(adapter: tuple, shared: str = "B") -> tuple:
+    """A ``target_parameters`` adapter ``(config, state_dict)`` rewritten to the shared-outer
+    layout: factor ``shared`` (``"A"`` or ``"B"``) keeps expert 0's slice only, shared by all."""
+    config, state = adapter
+    out = {}
+    for key, t in state.items():
+        r = config.r
+        if f".lora_{shared}." in key and "experts" in key:
+            t = t[:r] if shared == "A" else t.reshape(t.shape[0], r, -1)[..., 0]
+        out[key] = t.clone()
+    return config, out

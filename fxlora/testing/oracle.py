@@ -75,13 +75,21 @@ def reference_logits(
 @torch.no_grad()
 def merged_model(model: torch.nn.Module, adapter: Any) -> torch.nn.Module:
     """A copy of ``model`` with ``adapter`` (anything :func:`fxlora.adapters.read_adapter`
-    takes) folded into its weights: ``W += scaling * B @ A`` for every module it touches."""
+    takes) folded into its weights: ``W += scaling * B @ A`` for every module it touches, and
+    for every expert of an experts parameter it touches, in any of the experts formats."""
     from transformers.pytorch_utils import Conv1D
 
-    from fxlora.adapters import read_adapter
+    from fxlora.adapters import experts, read_adapter
 
     merged = copy.deepcopy(model)
-    for fqn, f in read_adapter("merged", adapter).modules.items():
+    for fqn, f in experts.resolve(read_adapter("merged", adapter), merged).modules.items():
+        if f.kind == "experts":  # W[e] += scaling * B[e] @ A[e], on the stored layout
+            owner, _, name = fqn.rpartition(".")
+            module, weight = merged.get_submodule(owner), getattr(merged.get_submodule(owner), name)
+            delta = f.scaling * (f.b.double() @ f.a.double())  # (E, out, in); a shared factor broadcasts
+            delta = delta.transpose(-1, -2) if module.is_transposed else delta
+            setattr(module, name, torch.nn.Parameter(weight + delta.to(weight.dtype), requires_grad=False))
+            continue
         module = merged.get_submodule(fqn)
         delta = f.scaling * (f.b.double() @ f.a.double())  # (out, in); for an embedding (dim, vocab)
         if isinstance(module, (Conv1D, torch.nn.Embedding)):  # weights stored (in, out) / (vocab, dim)

@@ -1,0 +1,183 @@
+"""LoRA on MoE experts: every family's experts region becomes fxlora::moe_lora, mixed batches
+match PEFT (target_parameters adapters) and the merged-weights oracle (every format), and
+the nolora graph is the base model bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from peft import LoraConfig
+
+import fxlora
+from fxlora.errors import AdapterError
+from fxlora.testing import (
+    MOE_FAMILIES,
+    assert_matches_peft,
+    make_adapter,
+    merged_logits,
+    per_expert_adapter,
+    row_errors,
+    shared_outer,
+    tiny_model,
+)
+from fxlora.testing.oracle import RTOL
+
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+# attention (MLA's projections in DeepSeek-V3) and dense MLPs / shared experts, by module name
+DENSE = {"deepseek_v3": ["q_a_proj", "kv_a_proj_with_mqa", "o_proj", "down_proj"]}
+DENSE_DEFAULT = ["q_proj", "v_proj", "gate_proj", "up_proj"]
+
+
+def _model(family: str, implementation: str = "grouped_mm", **kw):
+    model = tiny_model(family, seed=1, **kw)
+    model.set_experts_implementation(implementation)
+    return model
+
+
+def _adapters(model, family, ranks=(4, 2)):
+    targets = [t for t in DENSE.get(family, DENSE_DEFAULT) if any(n.endswith("." + t) for n, _ in model.named_modules())]
+    return {
+        name: make_adapter(model, LoraConfig(r=r, lora_alpha=r + 1, target_modules=targets, target_parameters=EXPERTS),
+                           seed=10 + i, directory="", scale=0.4)
+        for i, (name, r) in enumerate(zip("ab", ranks))
+    }  # fmt: skip
+
+
+def _check_merged(cm, model, adapters, names, ids):
+    out = cm(input_ids=ids, adapter_names=names).logits
+    ref = merged_logits(model, adapters, names, input_ids=ids)
+    errors = row_errors(out, ref)
+    assert max(errors) < 10 * RTOL[torch.float32], errors  # merging rounds W + BA once more than LoRA does
+    base = model(input_ids=ids).logits
+    for i, n in enumerate(names):  # the adapters do change their rows; None rows are the base model
+        error = row_errors(out[i : i + 1], base[i : i + 1])[0]
+        assert error < RTOL[torch.float32] if n is None else error > 1e-3, (i, n, error)
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_mixed_batch_matches_peft_and_merged(family):
+    torch._dynamo.reset()
+    model = _model(family)
+    adapters = _adapters(model, family)
+    cm = fxlora.compile(model, adapters, max_loras=3, max_rank=8)
+    ids = torch.randint(3, 96, (4, 6), generator=torch.Generator().manual_seed(0))
+    names = ["a", None, "b", "a"]
+    with torch.no_grad():
+        assert_matches_peft(cm, model, adapters, names, input_ids=ids)
+        _check_merged(cm, model, adapters, names, ids)
+        assert torch.equal(cm(input_ids=ids).logits, model(input_ids=ids).logits)  # nolora: bit for bit
+    explain = cm.explain()
+    assert "fxlora::moe_lora" in explain and "target_parameters" in explain
+    experts_targets = [f for f, t in cm.pool.targets.items() if t.info.kind == "experts"]
+    assert experts_targets and all(cm._backend.rewritten.get(f) == "fxlora::moe_lora" for f in experts_targets)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_batched_mm_implementation(family):
+    torch._dynamo.reset()
+    model = _model(family, "batched_mm")
+    adapters = _adapters(model, family)
+    cm = fxlora.compile(model, adapters, max_loras=3, max_rank=8)
+    ids = torch.randint(3, 96, (3, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_matches_peft(cm, model, adapters, ["b", "a", None], input_ids=ids)
+        assert torch.equal(cm(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_eager_experts_are_switched_to_a_traceable_implementation():
+    torch._dynamo.reset()
+    model = _model("olmoe", "eager")
+    adapters = _adapters(model, "olmoe")
+    cm = fxlora.compile(model, adapters, max_loras=2, max_rank=8)
+    ids = torch.randint(3, 96, (2, 4))
+    with torch.no_grad():
+        assert_matches_peft(cm, model, adapters, ["a", "b"], input_ids=ids)
+    assert model.config._experts_implementation == "grouped_mm"
+
+
+@pytest.mark.parametrize("family, names", [("qwen3_moe", ("gate_proj", "up_proj", "down_proj")), ("mixtral", ("w1", "w3", "w2"))])
+def test_formats_mixed_in_one_pool(family, names):
+    """Per-expert modules, shared-outer (either factor shared) and target_parameters
+    adapters served together, each row against the merged oracle of its adapter."""
+    torch._dynamo.reset()
+    model = _model(family)
+    peft_style = _adapters(model, family, ranks=(3, 2))
+    adapters = {
+        "per_expert": per_expert_adapter(model, 2, seed=3, names=names),
+        "shared_a": shared_outer(peft_style["a"], "A"),
+        "shared_b": shared_outer(peft_style["b"], "B"),
+        "peft": peft_style["a"],
+    }
+    cm = fxlora.compile(model, adapters, max_loras=4, max_rank=8)
+    ids = torch.randint(3, 96, (5, 5), generator=torch.Generator().manual_seed(2))
+    rows = ["per_expert", "shared_a", None, "peft", "shared_b"]
+    with torch.no_grad():
+        _check_merged(cm, model, adapters, rows, ids)
+    explain = cm.explain()
+    for fmt in ("per-expert modules", "shared-outer", "target_parameters"):
+        assert fmt in explain
+
+
+def test_hot_swap_without_retrace():
+    torch._dynamo.reset()
+    model = _model("qwen3_moe")
+    adapters = _adapters(model, "qwen3_moe")
+    cm = fxlora.compile(model, {"a": adapters["a"]}, max_loras=2, max_rank=8, target_modules=["q_proj", "v_proj", *EXPERTS])
+    ids = torch.randint(3, 96, (2, 5))
+    with torch.no_grad():
+        cm(input_ids=ids, adapter_names=["a", None])
+        compiles = cm.compile_count
+        cm.load_adapter("b", adapters["b"])
+        cm.unload_adapter("a")
+        cm.load_adapter("a", adapters["a"])
+        assert_matches_peft(cm, model, adapters, ["b", "a"], input_ids=ids)
+    assert cm.compile_count == compiles
+
+
+def test_experts_shape_mismatch_names_parameter_and_shapes():
+    model = _model("qwen3_moe")
+    config, state = _adapters(model, "qwen3_moe")["a"]
+    bad = {k: (v[:, :-1] if "experts.lora_A" in k else v) for k, v in state.items()}
+    with pytest.raises(AdapterError, match=r"experts\.down_proj has lora_A \(16, 23\).*needs"):
+        fxlora.compile(model, {"bad": (config, bad)}, max_rank=8)
+
+
+def test_target_parameters_through_torch_compile_names_the_way_out():
+    model = _model("qwen3_moe")
+    adapters = _adapters(model, "qwen3_moe")
+    compiled = torch.compile(model, backend="fxlora", options={"adapters": adapters, "max_rank": 8})
+    with pytest.raises(Exception, match="target_parameters.*fxlora.compile"), fxlora.use_adapters(["a"]):
+        compiled(input_ids=torch.randint(3, 96, (1, 4)))
+    torch._dynamo.reset()
+
+
+@settings(deadline=None)
+@given(
+    family=st.sampled_from(sorted(MOE_FAMILIES)),
+    experts=st.integers(2, 6),
+    data=st.data(),
+)
+def test_property_mixed_batches(family, experts, data):
+    """Random expert counts, top-k, ranks and batch mixes against the merged oracle."""
+    top_k = data.draw(st.integers(1, experts), label="top_k")
+    counts = {"deepseek_v3": "n_routed_experts", "gpt_oss": "num_local_experts", "mixtral": "num_local_experts"}
+    overrides = {counts.get(family, "num_experts"): experts, "num_experts_per_tok": top_k}
+    if family == "deepseek_v3":
+        overrides.update(n_group=1, topk_group=1)
+    torch._dynamo.reset()
+    model = tiny_model(family, seed=data.draw(st.integers(0, 99), label="seed"), num_hidden_layers=2, **overrides)
+    ranks = data.draw(st.lists(st.integers(1, 6), min_size=2, max_size=2), label="ranks")
+    adapters = _adapters(model, family, ranks=ranks)
+    if data.draw(st.booleans(), label="shared_outer"):
+        adapters["b"] = shared_outer(adapters["b"], data.draw(st.sampled_from("AB"), label="shared"))
+    rows = data.draw(st.lists(st.sampled_from(["a", "b", None]), min_size=1, max_size=4), label="rows")
+    cm = fxlora.compile(copy.deepcopy(model), adapters, max_loras=2, max_rank=8)
+    ids = torch.randint(3, 96, (len(rows), data.draw(st.integers(1, 6), label="length")))
+    with torch.no_grad():
+        out = cm(input_ids=ids, adapter_names=rows).logits
+        ref = merged_logits(model, adapters, rows, input_ids=ids)
+    assert max(row_errors(out, ref)) < 10 * RTOL[torch.float32]
