@@ -41,13 +41,19 @@ def batch_info(
         )
         raise AdapterError(f"adapter_names has {rows} entries but the batch has {found}{hint}")
     token_slot = slot_ids.to(torch.int32).repeat_interleave(count // rows)
+    return (token_slot, *segments(token_slot, num_slots))
+
+
+def segments(token_slot: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sorted_tokens, seg_start, seg_len)`` of per-token slot ids (``-1``: none), on the
+    device, with no host read."""
     key = torch.where(token_slot < 0, num_slots, token_slot).to(torch.int64)
     sorted_tokens = torch.argsort(key, stable=True).to(torch.int32)
-    counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=slot_ids.device)
+    counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=token_slot.device)
     counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
     seg_len = counts[:num_slots].contiguous()
     seg_start = (torch.cumsum(seg_len, 0, dtype=torch.int32) - seg_len).contiguous()
-    return token_slot, sorted_tokens, seg_start, seg_len
+    return sorted_tokens, seg_start, seg_len
 
 
 @batch_info.register_fake

@@ -22,6 +22,13 @@ the down projection's input:
 
 ``act`` is a ``transformers`` activation name (``ACT2FN``). The reference reads routing on
 the host; it is the implementation on CPU and the oracle of the CUDA one.
+
+On CUDA (:func:`moe_lora_triton`) nothing depends on the routing's values on the host: the
+token–expert pairs are sorted by expert on the device, the base GEMMs are grouped GEMMs
+over the experts' segments (``grouped_mm``), and the LoRA deltas are the SGMV kernels of
+:mod:`fxlora.kernels.sgmv` over segments of ``(slot, expert)`` pairs — the pool viewed as
+``slots · E`` adapters — whose sizes are fixed by the token count, ``top_k`` and the pool.
+So the op is capturable in a CUDA graph and replays with any routing and adapters.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxlora.kernels.batch_info import slot_groups
+from fxlora.kernels.batch_info import segments, slot_groups
+from fxlora.kernels.triton_support import sgmv
 
 GATES = ("glu", "glu_interleaved_clamped", "act")
 
@@ -105,6 +113,66 @@ def moe_lora(
         _add_lora(o, g, down_lora, e, slots)
         weighted[token, j] = o * top_k_weights[token, j, None].to(o.dtype)
     return weighted.sum(dim=1).to(hidden.dtype)
+
+
+def moe_lora_triton(
+    hidden, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias,
+    up_lora_a, up_lora_b, up_scaling, up_rank, down_lora_a, down_lora_b, down_scaling, down_rank,
+    token_slot, sorted_tokens, seg_start, seg_len, transposed, gate, act, alpha, limit,
+):  # fmt: skip
+    tokens, top_k = top_k_index.shape
+    experts = up_weight.shape[0]
+    expert_ids = top_k_index.reshape(-1)
+    pair_expert, order = torch.sort(expert_ids, stable=True)  # pairs grouped by expert
+    pair_token = order // top_k
+    x = hidden[pair_token].to(up_weight.dtype)
+    counts = torch.zeros(experts, dtype=torch.int32, device=hidden.device)
+    counts.scatter_add_(0, expert_ids.long(), torch.ones_like(expert_ids, dtype=torch.int32))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    # LoRA segments: pair -> slot * E + expert, or -1 for rows without an adapter
+    pair_slot = token_slot[pair_token]
+    pool_id = torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, -1)
+    slots = up_lora_a.shape[0] if up_lora_a is not None else down_lora_a.shape[0]
+    pairs = segments(pool_id, slots * experts)
+
+    h = _grouped_linear(x, up_weight, offsets, up_bias, pair_expert, transposed)
+    _add_lora_segments(h, x, up_lora_a, up_lora_b, up_scaling, up_rank, pairs, experts)
+    g = apply_gate(h, gate, act, alpha, limit)
+    o = _grouped_linear(g, down_weight, offsets, down_bias, pair_expert, transposed)
+    _add_lora_segments(o, g, down_lora_a, down_lora_b, down_scaling, down_rank, pairs, experts)
+    o = o * top_k_weights.reshape(-1)[order, None].to(o.dtype)
+    weighted = torch.empty_like(o).index_copy_(0, order, o)  # back to (token, k) order
+    return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def _grouped_linear(x, weight, offsets, bias, pair_expert, transposed: bool):
+    """Each segment of ``x`` (pairs sorted by expert, ``offsets`` their cumulative ends)
+    times its expert's weight."""
+    grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    w = weight if transposed else weight.transpose(-2, -1)  # (E, in, out)
+    fin, fout = w.shape[1:]
+    align = 16 // x.element_size()
+    pad_in, pad_out = -fin % align, -fout % align
+    if pad_in or pad_out:  # grouped GEMMs read 16-byte rows: zero-pad odd widths (a copy; real models never need it)
+        x, w = F.pad(x, (0, pad_in)), F.pad(w, (0, pad_out, 0, pad_in))
+    y = grouped_mm(x, w, offs=offsets)[:, :fout]
+    return y if bias is None else y + bias[pair_expert]
+
+
+def _add_lora_segments(y, x, lora_a, lora_b, scaling, rank, pairs, experts: int) -> None:
+    """``y += scaling · (x @ A[s, e]ᵀ) @ B[s, e]ᵀ`` per pair, the pool read as ``slots · E`` adapters."""
+    if lora_a is None:
+        return
+    slots, _, max_rank, fin = lora_a.shape
+    per_pair_rank = rank.repeat_interleave(experts)
+    per_pair_scaling = scaling.repeat_interleave(experts)
+    v = sgmv.lora_shrink(x.contiguous(), lora_a.view(slots * experts, max_rank, fin), per_pair_rank, *pairs)
+    b = lora_b.view(slots * experts, lora_b.shape[2], max_rank)
+    sgmv.lora_expand(y, v, b, per_pair_scaling, per_pair_rank, *pairs)
+
+
+if sgmv is not None:
+    moe_lora.register_kernel("cuda")(moe_lora_triton)
 
 
 @moe_lora.register_fake
