@@ -67,6 +67,13 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
     if isinstance(layout, str):
         ctx.note(f"skipped {owner}: {layout}")
         return
+    # size arithmetic (SymInts under dynamic shapes) computed from the region's inputs alone
+    # stays in both variants: code after the region may reuse it
+    inside, sizes = set(region), set()
+    for n in region:
+        if not isinstance(meta_value(n), torch.Tensor) and all(a not in inside or a in sizes for a in n.all_input_nodes):
+            sizes.add(n)
+    region = [n for n in region if n not in sizes]
     inside = set(region)
     outputs = [n for n in region if any(u not in inside for u in n.users)]
     if len(outputs) != 1:

@@ -87,7 +87,7 @@ class Backend:
         for report in self.reports:
             yield from report
         for fqn in sorted(set(self.pool.targets) - set(self.rewritten)):
-            yield f"skipped {fqn}: targeted, but no traced graph calls it as a plain linear/embedding"
+            yield f"skipped {fqn}: targeted, but no traced graph calls it as a plain linear / embedding / experts region"
 
 
 def _first_device(example_inputs: list[Any]) -> torch.device:

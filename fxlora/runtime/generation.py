@@ -20,7 +20,7 @@ import torch
 
 from fxlora.errors import AdapterError
 from fxlora.runtime.cuda_graphs import GraphSet
-from fxlora.runtime.kv_cache import StaticKVCache, rows_of
+from fxlora.runtime.kv_cache import StaticKVCache, probe_shapes, rows_of
 from fxlora.runtime.routing import record_coverage, use_slots
 
 if TYPE_CHECKING:
@@ -59,7 +59,8 @@ class DecodeRuntime:
         if self.buckets[0] < 1 or self.buckets[-1] > max_batch_size:
             raise ValueError(f"batch buckets {self.buckets} must lie in 1..max_batch_size={max_batch_size}")
         _check_window(cm.model.config, max_len)
-        self.cache = StaticKVCache(cm.model.config, max_batch_size, max_len, self.dtype, self.device)
+        shapes = probe_shapes(cm.model, self.device)
+        self.cache = StaticKVCache(cm.model.config, max_batch_size, max_len, self.dtype, self.device, shapes)
         rows, dev = max_batch_size, self.device
         self.ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=dev)

@@ -44,11 +44,12 @@ class _Layer(CacheLayerMixin):
         pass  # allocated up front
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if key_states.shape[:2] != self.keys.shape[:2] or key_states.shape[-1] != self.keys.shape[-1]:
-            raise ValueError(
-                f"fxlora KV cache layer {self.index}: keys of shape {tuple(key_states.shape)} do not fit the "
-                f"cache's (rows, heads, columns, head_dim) = {tuple(self.keys.shape)}"
-            )
+        for name, states, cached in (("keys", key_states, self.keys), ("values", value_states, self.values)):
+            if states.shape[:2] != cached.shape[:2] or states.shape[-1] != cached.shape[-1]:
+                raise ValueError(
+                    f"fxlora KV cache layer {self.index}: {name} of shape {tuple(states.shape)} do not fit the "
+                    f"cache's (rows, heads, columns, dim) = {tuple(cached.shape)}"
+                )
         columns = self.cache.columns
         self.keys.index_copy_(2, columns, key_states.to(self.keys.dtype))
         self.values.index_copy_(2, columns, value_states.to(self.values.dtype))
@@ -74,17 +75,20 @@ class StaticKVCache(Cache):
         max_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        layer_shapes: list[tuple[tuple[int, int], tuple[int, int]]] | None = None,
     ):
-        text = config.get_text_config(decoder=True)
-        heads = _first_attr(text, "num_attention_heads", "n_head")
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or _first_attr(text, "hidden_size", "n_embd") // heads
-        num_layers = _first_attr(text, "num_hidden_layers", "n_layer")
-        shape = (max_batch_size, kv_heads, max_len, head_dim)
+        """``layer_shapes``: per layer, ``(heads, dim)`` of the keys and of the values it caches
+        (:func:`probe_shapes`); by default read from the config's head counts and sizes."""
+        shapes = layer_shapes or config_shapes(config)
         self.columns = torch.zeros(1, dtype=torch.long, device=device)
         layers = [
-            _Layer(self, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device), i)
-            for i in range(num_layers)
+            _Layer(
+                self,
+                torch.zeros((max_batch_size, kh, max_len, kd), dtype=dtype, device=device),
+                torch.zeros((max_batch_size, vh, max_len, vd), dtype=dtype, device=device),
+                i,
+            )
+            for i, ((kh, kd), (vh, vd)) in enumerate(shapes)
         ]
         super().__init__(layers=layers)
         # (names of the transformers Cache's own properties, such as max_batch_size, are avoided)
@@ -106,6 +110,54 @@ class StaticKVCache(Cache):
         self.active_rows = rows
         for layer in self.layers:
             layer.keys, layer.values = rows_of(layer.all_keys, rows), rows_of(layer.all_values, rows)
+
+
+def config_shapes(config: PreTrainedConfig) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Per layer ``((kv_heads, head_dim),) * 2`` from the config's attention sizes."""
+    text = config.get_text_config(decoder=True)
+    heads = _first_attr(text, "num_attention_heads", "n_head")
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or _first_attr(text, "hidden_size", "n_embd") // heads
+    return [((kv_heads, head_dim), (kv_heads, head_dim))] * _first_attr(text, "num_hidden_layers", "n_layer")
+
+
+class _Probe(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: tuple | None = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.shapes = ((key_states.shape[1], key_states.shape[-1]), (value_states.shape[1], value_states.shape[-1]))
+        return key_states, value_states
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return 1, 0
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+@torch.no_grad()
+def probe_shapes(model: torch.nn.Module, device: torch.device) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """What each attention layer of ``model`` caches, ``(heads, dim)`` of its keys and of its
+    values, read off one eager token: models that cache something else than per-head keys and
+    values (DeepSeek's compressed MLA latents) are sized right without knowing them."""
+    text = model.config.get_text_config(decoder=True)
+    layers = [_Probe() for _ in range(_first_attr(text, "num_hidden_layers", "n_layer"))]
+    model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device), past_key_values=Cache(layers=layers), use_cache=True)
+    missing = [i for i, layer in enumerate(layers) if layer.shapes is None]
+    if missing:
+        raise ValueError(f"layers {missing} of the model wrote nothing to the KV cache: cannot size a static cache")
+    return [layer.shapes for layer in layers]
 
 
 def _first_attr(config: PreTrainedConfig, *names: str) -> int:
