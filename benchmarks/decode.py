@@ -1,46 +1,73 @@
-"""End-to-end decode steps of a Llama-shaped ~1B model in bf16: fxlora's ``nolora`` and
-``lora`` graphs against the same model captured by hand in one CUDA graph, PEFT eager with
-``adapter_names``, and the bytes floor, side by side in one process.
+"""End-to-end decode steps in bf16: fxlora's ``nolora`` and ``lora`` graphs against the same
+model captured by hand in one CUDA graph, PEFT eager, and the bytes floor, side by side in
+one process.
 
-    python benchmarks/decode.py [--out results.json] [--quick]
+    python benchmarks/decode.py [--model llama|qwen3_moe] [--out results.json] [--quick]
 
-Random weights (hidden 2048, 16 layers, intermediate 8192, 32 heads / 8 KV heads, vocab
-32000) and rank-16 adapters on every linear layer. One decode step at context 512: every
-row attends to 512 cached positions. Times are medians in microseconds of a graph replay
-(for fxlora and the hand-made graph) or of an eager call (PEFT). The floor is the bytes a
-step must read (the weights, each used adapter's factors, the KV cache) at the
-device-to-device copy bandwidth measured here.
+``llama``: a Llama-shaped ~1B model (hidden 2048, 16 layers, intermediate 8192, 32 heads / 8
+KV heads, vocab 32000), rank-16 adapters on every linear layer; PEFT serves the mixed batch
+through ``adapter_names``. ``qwen3_moe``: a Qwen3-MoE-shaped model (hidden 2048, 8 layers,
+64 experts, top-8, expert intermediate 768, 32 heads / 4 KV heads of 128), rank-16 adapters
+on the attention projections and the experts (``target_parameters``); PEFT cannot mix
+adapters on experts, so it runs one adapter for the whole batch (the most it can do).
+
+Random weights; one decode step at context 512: every row attends to 512 cached positions.
+Times are medians in microseconds of a graph replay (fxlora, the hand-made graph) or of an
+eager call (PEFT). The floor is the bytes a step must read at the device-to-device copy
+bandwidth measured here: the weights (for MoE, the experts a uniform routing of the batch
+is expected to touch), each used adapter's factors (likewise), and the KV cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import inspect
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import transformers
 import triton
 import triton.testing
-from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
 import fxlora
-from fxlora.runtime.kv_cache import StaticKVCache
+from fxlora.runtime.kv_cache import StaticKVCache, probe_shapes
 
-CONFIG = dict(
-    hidden_size=2048,
-    num_hidden_layers=16,
-    intermediate_size=8192,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=32000,
-    max_position_embeddings=4096,
-)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, CONTEXT = 16, 512
 MAX_LEN = CONTEXT + 16
+
+
+@dataclass
+class Spec:
+    config: transformers.PreTrainedConfig
+    target_modules: list[str]
+    target_parameters: list[str] = field(default_factory=list)
+    batches: tuple[int, ...] = (1, 8, 32, 128)
+    quick_batches: tuple[int, ...] = (1, 32)
+    counts: tuple[int, ...] = (0, 1, 4, 16)
+    peft_mixed: bool = True  # PEFT serves a mixed batch; else one adapter for every row
+
+
+def spec(name: str) -> Spec:
+    if name == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
+            num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
+        )  # fmt: skip
+        return Spec(config, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=2048, num_hidden_layers=8, moe_intermediate_size=768, num_experts=64, num_experts_per_tok=8,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=32000, max_position_embeddings=4096,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    )  # fmt: skip
+    return Spec(
+        config, ["q_proj", "k_proj", "v_proj", "o_proj"], ["experts.gate_up_proj", "experts.down_proj"],
+        batches=(1, 32, 128), quick_batches=(1, 32), counts=(0, 4, 16), peft_mixed=False,
+    )  # fmt: skip
 
 
 @dataclass
@@ -74,27 +101,63 @@ def us(fn, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, rep=rep, return_mode="median") * 1e3
 
 
-def make_adapters(model: torch.nn.Module, count: int) -> dict:
-    config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS)
-    gen = torch.Generator().manual_seed(0)
+def make_adapters(spec: Spec, count: int) -> dict:
+    """``count`` random PEFT adapters ``(config, state_dict)``, on the GPU; shapes from PEFT itself."""
+    config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=spec.target_modules,
+                        target_parameters=spec.target_parameters or None, init_lora_weights=False)  # fmt: skip
+    with torch.device("meta"):
+        meta = get_peft_model(transformers.AutoModelForCausalLM.from_config(spec.config), copy.deepcopy(config))
+        shapes = {k: v.shape for k, v in get_peft_model_state_dict(meta).items()}
+    gen = torch.Generator("cuda").manual_seed(0)
     adapters = {}
     for k in range(count):
         state = {}
-        for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in TARGETS:
-                prefix = f"base_model.model.{name}"
-                state[f"{prefix}.lora_A.weight"] = torch.randn(RANK, module.in_features, generator=gen) / module.in_features**0.5
-                state[f"{prefix}.lora_B.weight"] = torch.randn(module.out_features, RANK, generator=gen) * 0.01
-        adapters[f"ad{k}"] = (config, {k_: v.to(torch.bfloat16) for k_, v in state.items()})
+        for key, shape in shapes.items():
+            scale = 0.01 if "lora_B" in key else shape[-1] ** -0.5
+            state[key] = (torch.randn(shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+        adapters[f"ad{k}"] = (config, state)
     return adapters
 
 
-def step_inputs(batch: int, device: str = "cuda") -> dict:
+def expected_experts(experts: int, top_k: int, rows: float) -> float:
+    """Distinct experts ``rows`` tokens touch under uniform routing, in expectation."""
+    return experts * (1 - (1 - top_k / experts) ** rows)
+
+
+def step_bytes(model, spec: Spec, adapters: dict, batch: int, k: int) -> float:
+    """Bytes a decode step of ``batch`` rows over ``k`` adapters must read."""
+    c = spec.config
+    experts = getattr(c, "num_experts", 0)
+    dense, per_expert = 0, 0
+    for n, p in model.named_parameters():
+        if "embed_tokens" in n:
+            continue
+        if ".experts." in n:
+            per_expert += p.nbytes // experts
+        else:
+            dense += p.nbytes
+    adapter = adapters["ad0"][1]
+    adapter_dense = sum(t.nbytes for key, t in adapter.items() if ".experts." not in key)
+    adapter_expert = sum(t.nbytes for key, t in adapter.items() if ".experts." in key) / max(experts, 1)
+    total = dense
+    if experts:
+        total += per_expert * expected_experts(experts, c.num_experts_per_tok, batch)
+    used = min(k, batch)
+    if used:
+        rows = batch / used
+        touched = expected_experts(experts, c.num_experts_per_tok, rows) if experts else 0
+        total += used * (adapter_dense + adapter_expert * touched)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    total += 2 * batch * MAX_LEN * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2
+    return total
+
+
+def step_inputs(batch: int, vocab: int, device: str = "cuda") -> dict:
     """One decode token per row at column CONTEXT, attending to columns 0..CONTEXT."""
     mask = torch.full((batch, 1, 1, MAX_LEN), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16, device=device)
     mask[..., : CONTEXT + 1] = 0
     return {
-        "input_ids": torch.randint(3, CONFIG["vocab_size"], (batch, 1), device=device),
+        "input_ids": torch.randint(3, vocab, (batch, 1), device=device),
         "position_ids": torch.full((batch, 1), CONTEXT, device=device),
         "attention_mask": mask,
     }
@@ -102,7 +165,7 @@ def step_inputs(batch: int, device: str = "cuda") -> dict:
 
 def hand_graph(model, cache: StaticKVCache, batch: int, extra: dict) -> float:
     """What a user builds by hand: the unmodified model with a static cache, one CUDA graph."""
-    inputs = step_inputs(batch)
+    inputs = step_inputs(batch, model.config.vocab_size)
     cache.select_rows(batch)
     cache.columns = torch.tensor([CONTEXT], device="cuda")
     call = lambda: model(**inputs, past_key_values=cache, use_cache=True, **extra)  # noqa: E731
@@ -123,25 +186,33 @@ def hand_graph(model, cache: StaticKVCache, batch: int, extra: dict) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="decode.json")
-    parser.add_argument("--quick", action="store_true", help="batches 1 and 32 only")
+    parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
+    parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama")
     args = parser.parse_args()
-    batches = [1, 32] if args.quick else [1, 8, 32, 128]
-    counts = [0, 1, 4, 16]
+    sp = spec(args.model)
+    batches, counts = list(sp.quick_batches if args.quick else sp.batches), list(sp.counts)
+    vocab = sp.config.vocab_size
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**CONFIG)
+    config = sp.config
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
-    adapters = make_adapters(model, max(counts))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2 and not p.any():  # routers start at zero: every token would pick the same experts
+                p.normal_(0.0, 0.02)
+    if hasattr(config, "num_experts"):
+        model.set_experts_implementation("grouped_mm")  # capturable by hand too; fxlora would switch it anyway
+    adapters = make_adapters(sp, max(counts))
     bandwidth = copy_bandwidth()
-    weight_bytes = sum(p.nbytes for n, p in model.named_parameters() if "embed_tokens" not in n)
-    adapter_bytes = sum(t.nbytes for t in adapters["ad0"][1].values())
-    forward = __import__("inspect").signature(model.forward).parameters
+    forward = inspect.signature(model.forward).parameters
     extra = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
     # fxlora: compile + capture of every bucket and both variants
     torch.cuda.synchronize()
     start = time.perf_counter()
-    cm = fxlora.compile(model, adapters, max_loras=16, max_rank=RANK, max_batch_size=max(batches), max_len=MAX_LEN)
+    cm = fxlora.compile(
+        model, adapters, max_loras=max(counts), max_rank=RANK, max_batch_size=max(batches), max_len=MAX_LEN
+    )
     with torch.no_grad():
         rt = cm.prepare()
     torch.cuda.synchronize()
@@ -155,10 +226,8 @@ def main() -> None:
     results: dict[tuple[int, int], dict] = {}
     with torch.no_grad():
         for batch in batches:
-            head_dim = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
-            kv_bytes = 2 * batch * MAX_LEN * CONFIG["num_hidden_layers"] * CONFIG["num_key_value_heads"] * head_dim * 2
             bucket = rt.bucket_for(batch)
-            rt.ids.random_(3, CONFIG["vocab_size"])
+            rt.ids.random_(3, vocab)
             rt.positions.fill_(CONTEXT)
             rt.mask.fill_(torch.finfo(torch.bfloat16).min)
             rt.mask[..., : CONTEXT + 1] = 0
@@ -173,35 +242,43 @@ def main() -> None:
                 results[(batch, k)] = {
                     "nolora": us(nolora_graph.replay),
                     "lora": us(lora_graph.replay) if k else None,
-                    "floor": (weight_bytes + min(k, batch) * adapter_bytes + kv_bytes) / bandwidth * 1e6,
+                    "floor": step_bytes(model, sp, adapters, batch, k) / bandwidth * 1e6,
                 }
     del rt, cm
     torch._dynamo.reset()
     torch.cuda.empty_cache()
 
-    cache = StaticKVCache(config, max(batches), MAX_LEN, torch.bfloat16, "cuda")
+    cache = StaticKVCache(config, max(batches), MAX_LEN, torch.bfloat16, "cuda", probe_shapes(model, "cuda"))
     with torch.no_grad():
         for batch in batches:
             t = hand_graph(model, cache, batch, extra)
             for k in counts:
                 results[(batch, k)]["hand_graph"] = t
 
-    # PEFT, eager, with a mixed batch through adapter_names (changes `model` in place: last)
-    first = next(iter(adapters.values()))[0]
-    peft_model = get_peft_model(model, first, adapter_name="ad0")
-    for name, (cfg, state) in adapters.items():
+    # PEFT, eager (changes `model` in place: last): a mixed batch through adapter_names, or one
+    # adapter for every row where PEFT cannot mix (LoRA on experts)
+    served = adapters if sp.peft_mixed else {"ad0": adapters["ad0"]}
+    peft_model = get_peft_model(model, copy.deepcopy(served["ad0"][0]), adapter_name="ad0")
+    for name, (cfg, state) in served.items():
         if name != "ad0":
-            peft_model.add_adapter(name, cfg)
+            peft_model.add_adapter(name, copy.deepcopy(cfg))
         set_peft_model_state_dict(peft_model, state, adapter_name=name)
     peft_model.to(torch.bfloat16).eval()
     with torch.no_grad():
         for batch in batches:
-            inputs = step_inputs(batch)
+            inputs = step_inputs(batch, vocab)
             cache.select_rows(batch)
             cache.columns = torch.tensor([CONTEXT], device="cuda")
             for k in counts:
-                names = [f"ad{i % k}" for i in range(batch)] if k else ["__base__"] * batch
-                fn = lambda: peft_model(**inputs, past_key_values=cache, use_cache=True, adapter_names=names, **extra)  # noqa: B023, E731
+                if sp.peft_mixed:
+                    names = [f"ad{i % k}" for i in range(batch)] if k else ["__base__"] * batch
+                    fn = lambda: peft_model(**inputs, past_key_values=cache, use_cache=True, adapter_names=names, **extra)  # noqa: B023, E731
+                elif k:
+                    fn = lambda: peft_model(**inputs, past_key_values=cache, use_cache=True, **extra)  # noqa: B023, E731
+                else:
+                    def fn():
+                        with peft_model.disable_adapter():
+                            return peft_model(**inputs, past_key_values=cache, use_cache=True, **extra)  # noqa: B023
                 results[(batch, k)]["peft_eager"] = us(fn, rep=300)
 
     rows = [Row(batch=b, adapters=k, **v) for (b, k), v in sorted(results.items())]
@@ -225,6 +302,8 @@ def main() -> None:
         "graphs": graphs,
         "graph_pool_MiB": pool_mib,
         "kv_cache_MiB": kv_mib,
+        "model": args.model,
+        "peft": "mixed batch (adapter_names)" if sp.peft_mixed else "one adapter for every row",
     }
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": [{**asdict(r), **r.ratios} for r in rows]}, f, indent=1)

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # The benchmarks in one call; JSON results and the printed tables go under $OUT.
-#   scripts/benchmarks.sh [--quick]          every benchmark
-#   BENCHMARKS="decode" scripts/benchmarks.sh  only those named (files in benchmarks/)
+#   scripts/benchmarks.sh [--quick]                every benchmark
+#   BENCHMARKS="decode_moe" scripts/benchmarks.sh  only those named
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-for name in ${BENCHMARKS:-lora_linear decode}; do
-    python3 "benchmarks/$name.py" --out "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.txt" | tail -60
+declare -A RUNS=(
+    [lora_linear]="lora_linear.py"
+    [decode]="decode.py --model llama"
+    [decode_moe]="decode.py --model qwen3_moe"
+)
+for name in ${BENCHMARKS:-lora_linear decode decode_moe}; do
+    # shellcheck disable=SC2086  # the entry holds the script and its arguments
+    python3 benchmarks/${RUNS[$name]} --out "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.txt" | tail -60
 done
