@@ -13,7 +13,7 @@ from peft import LoraConfig
 
 import fxlora
 from fxlora.kernels import batch_info
-from fxlora.kernels.moe_lora import moe_lora, moe_lora_triton
+from fxlora.kernels.moe_lora import moe_lora, moe_lora_triton, moe_routing_workspace, moe_workspace
 from fxlora.testing import assert_matches_peft, make_adapter, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -46,7 +46,8 @@ def _routing(tokens, experts, top_k, gen, dtype):
 
 def _call(fn, x, idx, w, p, slot_ids, slots=4):
     info = batch_info(slot_ids, x, 1, slots)
-    return fn(x, idx, w, p["up"], None, p["down"], None, *p["up_lora"], *p["down_lora"], *info, False, "glu", "silu", 0.0, 0.0)
+    scratch = moe_workspace(idx, p["up_lora"][0]), moe_routing_workspace(idx)
+    return fn(x, idx, w, p["up"], None, p["down"], None, *p["up_lora"], *p["down_lora"], *info, *scratch, False, "glu", "silu", 0.0, 0.0)
 
 
 def _reference(x, idx, w, p, slot_ids):

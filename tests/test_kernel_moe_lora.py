@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxlora.kernels import batch_info
-from fxlora.kernels.moe_lora import GATES, moe_lora, moe_lora_triton
+from fxlora.kernels.moe_lora import GATES, moe_lora, moe_lora_triton, moe_routing_workspace, moe_workspace
 
 pytest.importorskip("fxlora.kernels.sgmv")
 
@@ -51,7 +51,13 @@ def run(fn, case, slot_ids, slots, gate, transposed, lora_on):
     for on, factors in zip(lora_on, (up_lora, down_lora)):
         lora += [t.to(DEVICE) for t in factors] if on else [None] * 4
     info = batch_info(slot_ids.to(DEVICE), device_case[0], 1, slots)
-    return fn(*device_case, *lora, *info, transposed, gate, "silu", 1.702, 7.0)
+    scratch = _scratch(device_case[1], lora)
+    return fn(*device_case, *lora, *info, *scratch, transposed, gate, "silu", 1.702, 7.0)
+
+
+def _scratch(index, lora):
+    a = lora[0] if lora[0] is not None else lora[4]
+    return moe_workspace(index, a), moe_routing_workspace(index)
 
 
 @settings(deadline=None)
@@ -93,4 +99,4 @@ def _reference(case, slot_ids, slots, gate, transposed, lora_on):
     for on, factors in zip(lora_on, (up_lora, down_lora)):
         lora += [t.float() if t.dtype.is_floating_point else t for t in factors] if on else [None] * 4
     info = batch_info(slot_ids, f32[0], 1, slots)
-    return moe_lora(*f32, *lora, *info, transposed, gate, "silu", 1.702, 7.0)
+    return moe_lora(*f32, *lora, *info, *_scratch(f32[1], lora), transposed, gate, "silu", 1.702, 7.0)

@@ -14,6 +14,7 @@ from peft import LoraConfig
 
 import fxlora
 from fxlora.errors import AdapterError
+from fxlora.runtime.arena import hoisted
 from fxlora.testing import (
     MOE_FAMILIES,
     assert_matches_peft,
@@ -199,3 +200,6 @@ def test_generate_equals_peft_greedy(family):
     out = cm.generate(ids, mask, adapter_names=names, max_new_tokens=8, eos_token_id=())
     peft_model = peft_model_with(model, adapters)
     assert torch.equal(out[:, -8:], reference_generate(model, peft_model, names, ids, mask, 8, None, 0))
+    # the experts' routing and LoRA scratch is planned in the arena like every other allocation
+    kinds = {n.args[2] for r in cm._backend.routers if r.lora is not None for n in r.lora.graph.nodes if n.target is hoisted}
+    assert {"moe_workspace", "moe_routing_workspace"} <= kinds and cm._backend.arena.nbytes > 0

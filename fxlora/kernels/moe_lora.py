@@ -28,7 +28,10 @@ token–expert pairs are sorted by expert on the device, the base GEMMs are grou
 over the experts' segments (``grouped_mm``), and the LoRA deltas are the SGMV kernels of
 :mod:`fxlora.kernels.sgmv` over segments of ``(slot, expert)`` pairs — the pool viewed as
 ``slots · E`` adapters — whose sizes are fixed by the token count, ``top_k`` and the pool.
-So the op is capturable in a CUDA graph and replays with any routing and adapters.
+So the op is capturable in a CUDA graph and replays with any routing and adapters. Its
+scratch — the pair order (``routing``, from :func:`moe_routing_workspace`) and the LoRA
+shrink results (``workspace``, from :func:`moe_workspace`) — comes in as arguments that the
+graph allocates as nodes of their own, so the ``hoist`` pass places them in the arena.
 """
 
 from __future__ import annotations
@@ -71,7 +74,21 @@ def _add_lora(y, x, lora, expert: int, slots: torch.Tensor) -> None:
         y.index_add_(0, rows, (delta * scaling[s].to(delta.dtype)).to(y.dtype))
 
 
-@torch.library.custom_op("fxlora::moe_lora", mutates_args=())
+def moe_workspace(top_k_index: torch.Tensor, lora_a: torch.Tensor, *, device=None) -> torch.Tensor:
+    """Scratch for the up and down LoRA shrink results, ``(2, pairs, max_rank)`` float32."""
+    return torch.empty((2, top_k_index.numel(), lora_a.shape[-2]), dtype=torch.float32, device=device or lora_a.device)
+
+
+def moe_routing_workspace(top_k_index: torch.Tensor, *, device=None) -> torch.Tensor:
+    """Scratch for the pairs' order: sorted expert ids, permutation, token and pool id per pair."""
+    return torch.empty((4, top_k_index.numel()), dtype=torch.int64, device=device or top_k_index.device)
+
+
+moe_workspace.fxlora_alloc_kind = "moe_workspace"  # the hoist pass places them like torch.empty
+moe_routing_workspace.fxlora_alloc_kind = "moe_routing_workspace"
+
+
+@torch.library.custom_op("fxlora::moe_lora", mutates_args=("workspace", "routing"))
 def moe_lora(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -92,6 +109,8 @@ def moe_lora(
     sorted_tokens: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
+    workspace: torch.Tensor,
+    routing: torch.Tensor,
     transposed: bool,
     gate: str,
     act: str,
@@ -118,28 +137,29 @@ def moe_lora(
 def moe_lora_triton(
     hidden, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias,
     up_lora_a, up_lora_b, up_scaling, up_rank, down_lora_a, down_lora_b, down_scaling, down_rank,
-    token_slot, sorted_tokens, seg_start, seg_len, transposed, gate, act, alpha, limit,
+    token_slot, sorted_tokens, seg_start, seg_len, workspace, routing, transposed, gate, act, alpha, limit,
 ):  # fmt: skip
     tokens, top_k = top_k_index.shape
     experts = up_weight.shape[0]
     expert_ids = top_k_index.reshape(-1)
-    pair_expert, order = torch.sort(expert_ids, stable=True)  # pairs grouped by expert
-    pair_token = order // top_k
-    x = hidden[pair_token].to(up_weight.dtype)
+    pair_expert, order, pair_token, pool_id = routing.unbind(0)
+    torch.sort(expert_ids.long(), stable=True, out=(pair_expert, order))  # pairs grouped by expert
+    torch.div(order, top_k, rounding_mode="floor", out=pair_token)
+    x = hidden.index_select(0, pair_token).to(up_weight.dtype)
     counts = torch.zeros(experts, dtype=torch.int32, device=hidden.device)
     counts.scatter_add_(0, expert_ids.long(), torch.ones_like(expert_ids, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     # LoRA segments: pair -> slot * E + expert, or -1 for rows without an adapter
-    pair_slot = token_slot[pair_token]
-    pool_id = torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, -1)
+    pair_slot = token_slot.index_select(0, pair_token).long()
+    torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, pair_slot, out=pool_id)  # -1 stays -1
     slots = up_lora_a.shape[0] if up_lora_a is not None else down_lora_a.shape[0]
     pairs = segments(pool_id, slots * experts)
 
     h = _grouped_linear(x, up_weight, offsets, up_bias, pair_expert, transposed)
-    _add_lora_segments(h, x, up_lora_a, up_lora_b, up_scaling, up_rank, pairs, experts)
+    _add_lora_segments(h, x, up_lora_a, up_lora_b, up_scaling, up_rank, pairs, experts, workspace[0])
     g = apply_gate(h, gate, act, alpha, limit)
     o = _grouped_linear(g, down_weight, offsets, down_bias, pair_expert, transposed)
-    _add_lora_segments(o, g, down_lora_a, down_lora_b, down_scaling, down_rank, pairs, experts)
+    _add_lora_segments(o, g, down_lora_a, down_lora_b, down_scaling, down_rank, pairs, experts, workspace[1])
     o = o * top_k_weights.reshape(-1)[order, None].to(o.dtype)
     weighted = torch.empty_like(o).index_copy_(0, order, o)  # back to (token, k) order
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
@@ -159,14 +179,14 @@ def _grouped_linear(x, weight, offsets, bias, pair_expert, transposed: bool):
     return y if bias is None else y + bias[pair_expert]
 
 
-def _add_lora_segments(y, x, lora_a, lora_b, scaling, rank, pairs, experts: int) -> None:
+def _add_lora_segments(y, x, lora_a, lora_b, scaling, rank, pairs, experts: int, out: torch.Tensor) -> None:
     """``y += scaling · (x @ A[s, e]ᵀ) @ B[s, e]ᵀ`` per pair, the pool read as ``slots · E`` adapters."""
     if lora_a is None:
         return
     slots, _, max_rank, fin = lora_a.shape
     per_pair_rank = rank.repeat_interleave(experts)
     per_pair_scaling = scaling.repeat_interleave(experts)
-    v = sgmv.lora_shrink(x.contiguous(), lora_a.view(slots * experts, max_rank, fin), per_pair_rank, *pairs)
+    v = sgmv.lora_shrink(x.contiguous(), lora_a.view(slots * experts, max_rank, fin), per_pair_rank, *pairs, out=out)
     b = lora_b.view(slots * experts, lora_b.shape[2], max_rank)
     sgmv.lora_expand(y, v, b, per_pair_scaling, per_pair_rank, *pairs)
 

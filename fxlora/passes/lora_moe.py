@@ -19,9 +19,10 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import experts
+from fxlora.kernels.moe_lora import moe_routing_workspace, moe_workspace
 from fxlora.passes.batch_info import batch_info_for
 from fxlora.passes.context import PassContext
-from fxlora.passes.graph_edit import REGION_OUTPUT, REPLACED, TARGETS, meta_value, pool_nodes
+from fxlora.passes.graph_edit import ADDED, REGION_OUTPUT, REPLACED, TARGETS, fake_value, meta_value, pool_nodes
 
 OP = "fxlora::moe_lora"
 
@@ -114,10 +115,18 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         for name in (up_name, "down_proj"):
             lora += pool_nodes(gm, targets[name]) if name in targets else [None] * 4
         info = batch_info_for(gm, ctx, hidden, feature_dims=1)
+        pool_a = next(a for a in (lora[0], lora[4]) if a is not None)
+        a_value = next(t.lora_a for t in targets.values())
+        workspace = gm.graph.call_function(moe_workspace, (top_k_index, pool_a))
+        fake_value(workspace, lambda idx: moe_workspace(idx, a_value, device=idx.device), top_k_index)
+        routing = gm.graph.call_function(moe_routing_workspace, (top_k_index,))
+        fake_value(routing, moe_routing_workspace, top_k_index)
+        for n in (workspace, routing):
+            n.meta[ADDED] = True
         args = (
             hidden, top_k_index, top_k_weights,
             found["up"], found.get("up_bias"), found["down"], found.get("down_bias"),
-            *lora, *info,
+            *lora, *info, workspace, routing,
             layout["transposed"], layout["gate"], layout["act"], layout["alpha"], layout["limit"],
         )  # fmt: skip
         op = gm.graph.call_function(torch.ops.fxlora.moe_lora.default, args)

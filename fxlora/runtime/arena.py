@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from fxlora.kernels.lora_linear import lora_workspace
+from fxlora.kernels.moe_lora import moe_routing_workspace, moe_workspace
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ KINDS: dict[str, tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor, tupl
     "new_full": (_method("new_full"), _fill_value(2)),
     # the LoRA ops' scratch; like every kind, it takes device="meta" to compute its shape
     lora_workspace.fxlora_alloc_kind: (lora_workspace, _none),
+    moe_workspace.fxlora_alloc_kind: (moe_workspace, _none),
+    moe_routing_workspace.fxlora_alloc_kind: (moe_routing_workspace, _none),
 }
 
 
