@@ -209,6 +209,16 @@ def compile(
         pool.load(experts.resolve(read_adapter(name, source), model))
     pool.register_modules(model_modules(model), complete=True)
     backend = Backend(pool)
+    quantization = getattr(config, "quantization_config", None) or getattr(model, "hf_quantizer", None)
+    if quantization is not None:
+        fields = quantization if isinstance(quantization, dict) else vars(quantization)
+        method = fields.get("quant_method")
+        note = (
+            f"the base model is quantised ({method or type(quantization).__name__}): quantisation hooks are out of "
+            "scope, LoRA ops read its weights as plain tensors"
+        )
+        backend.notes.append(note)
+        log.warning("fxlora: %s", note)
     compiled = torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
     log.info("fxlora: %d adapters in %d target modules", len(adapters), len(pool.targets))
     runtime = dict(max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs)

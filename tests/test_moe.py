@@ -31,7 +31,10 @@ from fxlora.testing.oracle import RTOL
 
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 # attention (MLA's projections in DeepSeek-V3) and dense MLPs / shared experts, by module name
-DENSE = {"deepseek_v3": ["q_a_proj", "kv_a_proj_with_mqa", "o_proj", "down_proj"]}
+DENSE = {
+    "deepseek_v3": ["q_a_proj", "kv_a_proj_with_mqa", "o_proj", "down_proj"],  # MLA projections, dense + shared MLPs
+    "qwen2_moe": ["q_proj", "v_proj", "gate_proj", "up_proj", "shared_expert_gate"],  # the shared expert and its gate
+}
 DENSE_DEFAULT = ["q_proj", "v_proj", "gate_proj", "up_proj"]
 
 
@@ -203,3 +206,11 @@ def test_generate_equals_peft_greedy(family):
     # the experts' routing and LoRA scratch is planned in the arena like every other allocation
     kinds = {n.args[2] for r in cm._backend.routers if r.lora is not None for n in r.lora.graph.nodes if n.target is hoisted}
     assert {"moe_workspace", "moe_routing_workspace"} <= kinds and cm._backend.arena.nbytes > 0
+
+
+def test_quantised_base_is_named_in_explain():
+    torch._dynamo.reset()
+    model = _model("qwen3_moe")
+    model.config.quantization_config = {"quant_method": "fp8"}
+    cm = fxlora.compile(model, _adapters(model, "qwen3_moe"), max_loras=2, max_rank=8)
+    assert "quantised (fp8): quantisation hooks are out of scope" in cm.explain()

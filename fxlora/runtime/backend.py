@@ -41,6 +41,7 @@ class Backend:
         self.routers: list[Router] = []
         self.reports: list[list[str]] = []
         self.rewritten: dict[str, str] = {}  # module FQN -> the LoRA op it became, over all graphs
+        self.notes: list[str] = []  # about the model as a whole, for explain()
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Backend:
@@ -75,6 +76,7 @@ class Backend:
         return router
 
     def explain(self) -> Iterable[str]:
+        yield from self.notes
         yield from self.pool.describe()
         yield from self.arena.describe()
         if self.graphs is not None:
