@@ -168,7 +168,8 @@ def test_target_parameters_through_torch_compile_names_the_way_out():
     data=st.data(),
 )
 def test_property_mixed_batches(family, experts, data):
-    """Random expert counts, top-k, ranks and batch mixes against the merged oracle."""
+    """Random families, expert counts, top-k, ranks, adapter formats and batch mixes (None rows
+    included) against the merged oracle."""
     top_k = data.draw(st.integers(1, experts), label="top_k")
     counts = {"deepseek_v3": "n_routed_experts", "gpt_oss": "num_local_experts", "mixtral": "num_local_experts"}
     overrides = {counts.get(family, "num_experts"): experts, "num_experts_per_tok": top_k}
@@ -178,8 +179,11 @@ def test_property_mixed_batches(family, experts, data):
     model = tiny_model(family, seed=data.draw(st.integers(0, 99), label="seed"), num_hidden_layers=2, **overrides)
     ranks = data.draw(st.lists(st.integers(1, 6), min_size=2, max_size=2), label="ranks")
     adapters = _adapters(model, family, ranks=ranks)
-    if data.draw(st.booleans(), label="shared_outer"):
-        adapters["b"] = shared_outer(adapters["b"], data.draw(st.sampled_from("AB"), label="shared"))
+    fmt = data.draw(st.sampled_from(["target_parameters", "shared A", "shared B", "per-expert"]), label="format of b")
+    if fmt.startswith("shared"):
+        adapters["b"] = shared_outer(adapters["b"], fmt[-1])
+    elif fmt == "per-expert":
+        adapters["b"] = per_expert_adapter(model, ranks[1], seed=5)
     rows = data.draw(st.lists(st.sampled_from(["a", "b", None]), min_size=1, max_size=4), label="rows")
     cm = fxlora.compile(copy.deepcopy(model), adapters, max_loras=2, max_rank=8)
     ids = torch.randint(3, 96, (len(rows), data.draw(st.integers(1, 6), label="length")))
@@ -214,3 +218,45 @@ def test_quantised_base_is_named_in_explain():
     model.config.quantization_config = {"quant_method": "fp8"}
     cm = fxlora.compile(model, _adapters(model, "qwen3_moe"), max_loras=2, max_rank=8)
     assert "quantised (fp8): quantisation hooks are out of scope" in cm.explain()
+
+
+def _merge_per_expert_by_hand(model, adapter, names):
+    """The per-expert format's meaning, written out independently of fxlora: expert e's gate
+    LoRA changes the gate rows of its fused gate_up_proj (the first half, or the even rows
+    when interleaved), its up LoRA the up rows, its down LoRA its down_proj."""
+    config, state = adapter
+    merged = copy.deepcopy(model)
+    scaling = config.lora_alpha / config.r
+    for fqn, module in merged.named_modules():
+        if not hasattr(module, "gate_up_proj"):
+            continue
+        gate_up, down = module.gate_up_proj.data, module.down_proj.data
+        for e in range(gate_up.shape[0]):
+            for proj, name in zip(("gate", "up", "down"), names):
+                prefix = f"base_model.model.{fqn}.{e}.{name}"
+                delta = scaling * state[f"{prefix}.lora_B.weight"] @ state[f"{prefix}.lora_A.weight"]  # (out, in)
+                w = down[e] if proj == "down" else gate_up[e]
+                w = w.T if module.is_transposed else w  # as (out, in)
+                if proj == "down":
+                    w += delta
+                elif module.is_concatenated:
+                    half = w.shape[0] // 2
+                    w[:half] += delta if proj == "gate" else 0
+                    w[half:] += delta if proj == "up" else 0
+                else:
+                    w[0 if proj == "gate" else 1 :: 2] += delta
+    return merged
+
+
+@pytest.mark.parametrize("family, names", [("qwen3_moe", ("gate_proj", "up_proj", "down_proj")), ("gpt_oss", ("gate_proj", "up_proj", "down_proj")), ("mixtral", ("w1", "w3", "w2"))])
+def test_per_expert_format_against_a_hand_merge(family, names):
+    torch._dynamo.reset()
+    model = _model(family)
+    adapter = per_expert_adapter(model, 3, seed=8, names=names)
+    cm = fxlora.compile(model, {"x": adapter}, max_loras=1, max_rank=8)
+    ids = torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        out = cm(input_ids=ids, adapter_names=["x", None]).logits
+        want = _merge_per_expert_by_hand(model, adapter, names)(input_ids=ids).logits
+    assert row_errors(out[:1], want[:1])[0] < 10 * RTOL[torch.float32]
+    assert row_errors(out[:1], model(input_ids=ids[:1]).logits)[0] > 1e-3
