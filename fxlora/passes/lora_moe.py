@@ -80,35 +80,11 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
     if len(outputs) != 1:
         ctx.note(f"skipped {owner}: its traced region has {len(outputs)} outputs, not one")
         return
-    external: dict[fx.Node, None] = {}
-    for n in region:
-        for a in n.all_input_nodes:
-            if a not in inside:
-                external[a] = None
-    params = experts.experts_parameters(module)
-    up_name = next(n for n in params if n in experts.UP_PARAMETERS)
-    wanted = {
-        "up": params[up_name],
-        "down": params["down_proj"],
-        "up_bias": getattr(module, f"{up_name}_bias", None) if module.has_bias else None,
-        "down_bias": getattr(module, "down_proj_bias", None) if module.has_bias else None,
-    }
-    by_tensor = {id(v): n for n, v in values.items() if n in external}
-    found = {k: by_tensor.get(id(v)) for k, v in wanted.items() if v is not None}
-    if any(n is None for n in found.values()):
-        missing = [k for k, n in found.items() if n is None]
-        ctx.note(f"skipped {owner}: the traced region does not read its parameters {missing} directly")
+    matched = _match_inputs(region, module, values)
+    if isinstance(matched, str):
+        ctx.note(f"skipped {owner}: {matched}")
         return
-    data = [n for n in external if n not in found.values() and isinstance(meta_value(n), torch.Tensor)]
-    index = [n for n in data if not meta_value(n).dtype.is_floating_point]
-    floats = [n for n in data if meta_value(n).dtype.is_floating_point]
-    fin = targets[up_name].info.in_features if up_name in targets else experts.in_out(module, wanted["up"])[0]
-    hidden = [n for n in floats if meta_value(n).dim() == 2 and meta_value(n).shape[-1] == fin]
-    if len(index) != 1 or len(hidden) != 1 or len(floats) != 2:
-        ctx.note(f"skipped {owner}: its traced region's inputs are not (hidden states, top-k index, top-k weights)")
-        return
-    (top_k_index,), (hidden,) = index, hidden
-    top_k_weights = next(n for n in floats if n is not hidden)
+    hidden, top_k_index, top_k_weights, found, up_name = matched
     output = outputs[0]
     with gm.graph.inserting_before(output.next):
         lora = []
@@ -139,3 +115,29 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         n.meta[REPLACED] = True
     for p in targets:
         ctx.rewritten[f"{owner}.{p}"] = OP
+
+
+def _match_inputs(region: list[fx.Node], module, values: dict):
+    """``(hidden, top_k_index, top_k_weights, parameter nodes, up parameter name)`` of the
+    region, or why they cannot be told apart."""
+    inside = set(region)
+    external = dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside)
+    params = experts.experts_parameters(module)
+    up_name = next(n for n in params if n in experts.UP_PARAMETERS)
+    wanted = {"up": params[up_name], "down": params["down_proj"]}
+    if module.has_bias:
+        wanted.update(up_bias=getattr(module, f"{up_name}_bias"), down_bias=module.down_proj_bias)
+    by_tensor = {id(v): n for n, v in values.items() if n in external}
+    found = {k: by_tensor.get(id(v)) for k, v in wanted.items()}
+    missing = [k for k, n in found.items() if n is None]
+    if missing:
+        return f"the traced region does not read its parameters {missing} directly"
+    data = [n for n in external if n not in found.values() and isinstance(meta_value(n), torch.Tensor)]
+    index = [n for n in data if not meta_value(n).dtype.is_floating_point]
+    floats = [n for n in data if meta_value(n).dtype.is_floating_point]
+    fin = experts.in_out(module, wanted["up"])[0]
+    hidden = [n for n in floats if meta_value(n).dim() == 2 and meta_value(n).shape[-1] == fin]
+    if len(index) != 1 or len(hidden) != 1 or len(floats) != 2:
+        return "its traced region's inputs are not (hidden states, top-k index, top-k weights)"
+    top_k_weights = next(n for n in floats if n is not hidden[0])
+    return hidden[0], index[0], top_k_weights, found, up_name
