@@ -65,7 +65,9 @@ def layout(module: torch.nn.Module) -> dict | str:
         gate = "glu_interleaved_clamped"  # GPT-OSS's clamped SwiGLU over interleaved gate/up columns
     else:
         return f"its gate ({type(module).__name__}._apply_gate) is not one fxlora::moe_lora knows"
-    act = getattr(getattr(module, "config", None), "hidden_act", "silu")
+    act = getattr(getattr(module, "config", None), "hidden_act", None)  # what the class built act_fn from
+    if act is None and gate != "glu_interleaved_clamped":
+        return "its config does not name its activation (hidden_act)"
     return dict(transposed=bool(module.is_transposed), gate=gate, act=act, alpha=alpha, limit=limit)
 
 
