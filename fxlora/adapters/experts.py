@@ -68,7 +68,7 @@ def layout(module: torch.nn.Module) -> dict | str:
     act = getattr(getattr(module, "config", None), "hidden_act", None)  # what the class built act_fn from
     if act is None and gate != "glu_interleaved_clamped":
         return "its config does not name its activation (hidden_act)"
-    return dict(transposed=bool(module.is_transposed), gate=gate, act=act, alpha=alpha, limit=limit)
+    return dict(transposed=bool(module.is_transposed), gate=gate, act=act or "", alpha=alpha, limit=limit)
 
 
 def in_out(module: torch.nn.Module, weight: torch.Tensor) -> tuple[int, int]:
