@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from fxlora import AdapterError
 from fxlora.kernels import batch_info
+from fxlora.kernels.batch_info import compact_segments
 
 
 @given(
@@ -47,3 +48,17 @@ def test_batch_info_schema_and_fake():
         (torch.tensor([0, -1, 1], dtype=torch.int32), torch.empty(3, 2, 5), 1, 3),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+@given(st.lists(st.integers(-1, 40), min_size=1, max_size=50), st.integers(41, 600))
+def test_compact_segments_cover_each_token_once(slots, num_slots):
+    token_slot = torch.tensor(slots, dtype=torch.int32)
+    sorted_tokens, seg_start, seg_len, seg_slot = compact_segments(token_slot, num_slots)
+    assert all(t.shape == (len(slots),) for t in (sorted_tokens, seg_start, seg_len, seg_slot))
+    seen = []
+    for start, length, slot in zip(seg_start.tolist(), seg_len.tolist(), seg_slot.tolist()):
+        members = sorted_tokens[start : start + length].tolist()
+        assert all(slots[t] == slot for t in members)
+        seen += members
+    assert sorted(seen) == [t for t, s in enumerate(slots) if s >= 0]
+    assert (seg_len > 0).sum() == len({s for s in slots if s >= 0})  # one segment per slot present

@@ -75,3 +75,26 @@ def slot_groups(token_slot: torch.Tensor, rank: torch.Tensor):
     for s in torch.unique(token_slot[token_slot >= 0]).tolist():
         if ranks[s]:
             yield s, ranks[s], (token_slot == s).nonzero().squeeze(1)
+
+
+def compact_segments(
+    token_slot: torch.Tensor, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Like :func:`segments`, but one segment per distinct slot present, in a list as long as
+    the tokens (unused entries have length 0): ``(sorted_tokens, seg_start, seg_len, seg_slot)``.
+    For slot counts far above the token count; no host read."""
+    count = token_slot.numel()
+    key = torch.where(token_slot < 0, num_slots, token_slot).to(torch.int64)
+    sorted_tokens = torch.argsort(key, stable=True)
+    keys = key.index_select(0, sorted_tokens)
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = keys[1:] != keys[:-1]
+    seg = torch.cumsum(first, 0) - 1  # the segment of each sorted position
+    positions = torch.arange(count, device=token_slot.device)
+    seg_start = torch.full((count,), count, dtype=torch.int64, device=token_slot.device)
+    seg_start.scatter_reduce_(0, seg, positions, "amin")
+    seg_len = torch.zeros(count, dtype=torch.int32, device=token_slot.device)
+    seg_len.scatter_add_(0, seg, (keys < num_slots).to(torch.int32))  # no-adapter tokens form no segment
+    seg_slot = torch.zeros(count, dtype=torch.int64, device=token_slot.device).scatter_(0, seg, keys)
+    seg_slot.clamp_(max=num_slots - 1)
+    return sorted_tokens.to(torch.int32), seg_start.to(torch.int32), seg_len, seg_slot.to(torch.int32)

@@ -26,8 +26,9 @@ the host; it is the implementation on CPU and the oracle of the CUDA one.
 On CUDA (:func:`moe_lora_triton`) nothing depends on the routing's values on the host: the
 token–expert pairs are sorted by expert on the device, the base GEMMs are grouped GEMMs
 over the experts' segments (``grouped_mm``), and the LoRA deltas are the SGMV kernels of
-:mod:`fxlora.kernels.sgmv` over segments of ``(slot, expert)`` pairs — the pool viewed as
-``slots · E`` adapters — whose sizes are fixed by the token count, ``top_k`` and the pool.
+:mod:`fxlora.kernels.sgmv` over a compact list of ``(slot, expert)`` segments (the pool
+read as ``slots · E`` adapters, at most one segment per pair), whose sizes are fixed by the
+token count and ``top_k``.
 So the op is capturable in a CUDA graph and replays with any routing and adapters. Its
 scratch — the pair order (``routing``, from :func:`moe_routing_workspace`) and the LoRA
 shrink results (``workspace``, from :func:`moe_workspace`) — comes in as arguments that the
@@ -39,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxlora.kernels.batch_info import segments, slot_groups
+from fxlora.kernels.batch_info import compact_segments, slot_groups
 from fxlora.kernels.triton_support import sgmv
 
 GATES = ("glu", "glu_interleaved_clamped", "act")
@@ -153,7 +154,7 @@ def moe_lora_triton(
     pair_slot = token_slot.index_select(0, pair_token).long()
     torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, pair_slot, out=pool_id)  # -1 stays -1
     slots = up_lora_a.shape[0] if up_lora_a is not None else down_lora_a.shape[0]
-    pairs = segments(pool_id, slots * experts)
+    pairs = compact_segments(pool_id, slots * experts)  # at most one segment per pair
 
     h = _grouped_linear(x, up_weight, offsets, up_bias, pair_expert, transposed)
     _add_lora_segments(h, x, up_lora_a, up_lora_b, up_scaling, up_rank, pairs, experts, workspace[0])
@@ -186,9 +187,11 @@ def _add_lora_segments(y, x, lora_a, lora_b, scaling, rank, pairs, experts: int,
     slots, _, max_rank, fin = lora_a.shape
     per_pair_rank = rank.repeat_interleave(experts)
     per_pair_scaling = scaling.repeat_interleave(experts)
-    v = sgmv.lora_shrink(x.contiguous(), lora_a.view(slots * experts, max_rank, fin), per_pair_rank, *pairs, out=out)
+    *segs, seg_slot = pairs
+    a = lora_a.view(slots * experts, max_rank, fin)
+    v = sgmv.lora_shrink(x.contiguous(), a, per_pair_rank, *segs, out=out, seg_slot=seg_slot)
     b = lora_b.view(slots * experts, lora_b.shape[2], max_rank)
-    sgmv.lora_expand(y, v, b, per_pair_scaling, per_pair_rank, *pairs)
+    sgmv.lora_expand(y, v, b, per_pair_scaling, per_pair_rank, *segs, seg_slot=seg_slot)
 
 
 if sgmv is not None:

@@ -13,7 +13,11 @@ Several output slices of unequal width may share one input (fused ``qkv_proj``,
 slice's ``max_rank`` rows, ``B`` each slice's output rows, and ``scaling`` / ``rank`` hold
 one value per (slot, slice).
 
-Graph safety: the grids are sized for the worst case — ``cdiv(T, BLOCK_M) + num_slots``
+With ``seg_slot`` the segments are a compact list instead — at most one per token, segment
+``i`` reading adapter ``seg_slot[i]`` — for pools with many more adapters than tokens (the
+MoE path reads its pool as ``slots · experts`` adapters).
+
+Graph safety: the grids are sized for the worst case — ``cdiv(T, BLOCK_M) + num_segments``
 segment blocks — and a program with nothing to do (past its segment, a rank-0 slot)
 returns at once. Launches depend only on shapes, never on which adapters are present, so
 they can be captured in a CUDA graph and replayed with other assignments.
@@ -46,19 +50,23 @@ def _segment_block(pid, seg_len, num_slots, SLOTS_P2: tl.constexpr, BLOCK_M: tl.
 @triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, v_ptr, rank_ptr,
-    sorted_ptr, seg_start_ptr, seg_len_ptr,
+    sorted_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
     num_slots, K, RANKS,  # RANKS = num_slices * max_rank: columns of v, rows of each A[s]
     stride_xt, stride_as, stride_ar, stride_vt,
     MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, INDIRECT: tl.constexpr,
 ):
-    slot, block, length = _segment_block(tl.program_id(0), seg_len_ptr, num_slots, SLOTS_P2, BLOCK_M)
-    if slot >= num_slots:
+    seg, block, length = _segment_block(tl.program_id(0), seg_len_ptr, num_slots, SLOTS_P2, BLOCK_M)
+    if seg >= num_slots:
         return
+    if INDIRECT:  # a compact segment list: the adapter whose factors this segment reads
+        slot = tl.load(seg_slot_ptr + seg)
+    else:
+        slot = seg
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < length
-    start = tl.load(seg_start_ptr + slot)
+    start = tl.load(seg_start_ptr + seg)
     tokens = tl.load(sorted_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     slice_rank = tl.load(rank_ptr + slot * NUM_SLICES + r // MAX_RANK, mask=r < RANKS, other=0)
@@ -90,16 +98,20 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     y_ptr, v_ptr, b_ptr, scaling_ptr, rank_ptr, slice_start_ptr,
-    sorted_ptr, seg_start_ptr, seg_len_ptr,
+    sorted_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
     num_slots,
     stride_yt, stride_vt, stride_bs, stride_bn,
     MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, INDIRECT: tl.constexpr,
 ):
-    slot, block, length = _segment_block(tl.program_id(0), seg_len_ptr, num_slots, SLOTS_P2, BLOCK_M)
-    if slot >= num_slots:
+    seg, block, length = _segment_block(tl.program_id(0), seg_len_ptr, num_slots, SLOTS_P2, BLOCK_M)
+    if seg >= num_slots:
         return
+    if INDIRECT:  # a compact segment list: the adapter whose factors this segment reads
+        slot = tl.load(seg_slot_ptr + seg)
+    else:
+        slot = seg
     sl = tl.program_id(2)
     rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
     col0 = tl.load(slice_start_ptr + sl)
@@ -109,7 +121,7 @@ def _expand_kernel(
         return
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < length
-    start = tl.load(seg_start_ptr + slot)
+    start = tl.load(seg_start_ptr + seg)
     tokens = tl.load(sorted_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
     n_ok = n < width
     cols = col0 + n
@@ -185,11 +197,14 @@ def lora_shrink(
     num_slices: int = 1,
     config: ShrinkConfig | None = None,
     out: torch.Tensor | None = None,
+    seg_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``v`` (T, num_slices * max_rank), float32, in ``out`` when given; rows of tokens
-    without an adapter are zero."""
+    without an adapter are zero. With ``seg_slot`` the segments are a compact list (at most
+    one per token) and segment ``i`` reads slot ``seg_slot[i]``'s factors."""
     tokens, k = x.shape
-    slots, ranks, _ = lora_a.shape
+    _, ranks, _ = lora_a.shape
+    slots = seg_len.numel()
     cfg = config or shrink_config(tokens, k)
     if out is None:
         v = torch.zeros(tokens, ranks, dtype=torch.float32, device=x.device)
@@ -201,12 +216,12 @@ def lora_shrink(
     block_r = _p2(min(ranks, 64))
     grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(ranks, block_r), cfg.split_k)
     _shrink_kernel[grid](
-        x, lora_a, v, rank, sorted_tokens, seg_start, seg_len,
+        x, lora_a, v, rank, sorted_tokens, seg_start, seg_len, seg_slot if seg_slot is not None else seg_len,
         slots, k, ranks,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), v.stride(0),
         MAX_RANK=ranks // num_slices, NUM_SLICES=num_slices, SLOTS_P2=_p2(slots, 2),
         BLOCK_M=cfg.block_m, BLOCK_R=block_r, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+        IEEE=x.dtype == torch.float32, INDIRECT=seg_slot is not None, num_warps=cfg.num_warps,
     )
     return v
 
@@ -222,9 +237,11 @@ def lora_expand(
     seg_len: torch.Tensor,
     slice_widths: tuple[int, ...] | None = None,
     config: ExpandConfig | None = None,
+    seg_slot: torch.Tensor | None = None,
 ) -> None:
     tokens, n = y.shape
-    slots, _, max_rank = lora_b.shape
+    _, _, max_rank = lora_b.shape
+    slots = seg_len.numel()
     widths = slice_widths or (n,)
     cfg = config or expand_config(tokens, max_rank)
     lora_b = lora_b.contiguous()
@@ -232,10 +249,10 @@ def lora_expand(
     grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(max(widths), cfg.block_n), len(widths))
     _expand_kernel[grid](
         y, v, lora_b, scaling, rank, _slice_starts(tuple(widths), y.device),
-        sorted_tokens, seg_start, seg_len,
+        sorted_tokens, seg_start, seg_len, seg_slot if seg_slot is not None else seg_len,
         slots,
         y.stride(0), v.stride(0), lora_b.stride(0), lora_b.stride(1),
         MAX_RANK=max_rank, NUM_SLICES=len(widths), SLOTS_P2=_p2(slots, 2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_p2(max_rank),
-        IEEE=y.dtype == torch.float32, num_warps=cfg.num_warps,
+        IEEE=y.dtype == torch.float32, INDIRECT=seg_slot is not None, num_warps=cfg.num_warps,
     )
