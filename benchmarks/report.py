@@ -1,5 +1,5 @@
-"""Turn a ``benchmarks/lora_linear.py --out`` JSON file into the Markdown table of
-``docs/benchmarks.md``.
+"""Turn a ``benchmarks/lora_linear.py --out`` or ``benchmarks/decode.py --out`` JSON file
+into the Markdown table of ``docs/benchmarks.md``.
 
     python benchmarks/report.py results.json
 """
@@ -13,6 +13,9 @@ import sys
 def main(path: str) -> None:
     with open(path) as f:
         data = json.load(f)
+    if "meta" in data:
+        decode(data)
+        return
     env = data["env"]
     print(
         f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, Python {env['python']}; "
@@ -30,6 +33,32 @@ def main(path: str) -> None:
             f"| {r['fxlora_graph']:.1f} | {r['fxlora_serial_graph']:.1f} | {r['gather_bmm_graph']:.1f} "
             f"| {delta / r['base_graph']:.0%} | {r['floor_delta']:.1f} | {delta / r['floor_delta']:.2f} "
             f"| {r['fxlora_eager']:.1f} | {r['peft_loop_eager']:.1f} | {r['peft_loop_eager'] / r['fxlora_eager']:.1f} |"
+        )
+
+
+def decode(data: dict) -> None:
+    m = data["meta"]
+    print(
+        f"GPU {m['gpu']}, torch {m['torch']}, triton {m['triton']}, transformers {m['transformers']}, "
+        f"Python {m['python']}; copy bandwidth {m['copy_bandwidth_GBps']:.0f} GB/s. `fxlora.compile` + `prepare()` "
+        f"of {m['graphs']} graphs: {m['setup_seconds']:.1f} s; graph pool {m['graph_pool_MiB']:.0f} MiB, "
+        f"KV cache {m['kv_cache_MiB']:.0f} MiB.\n"
+    )
+    peft = "PEFT eager" if m.get("model", "llama") == "llama" else "PEFT eager (one adapter)"
+    print(
+        f"| batch | adapters | hand graph | nolora | lora | {peft} | floor | nolora / hand | lora / nolora "
+        "| PEFT / fxlora | hand / floor |"
+    )
+    print("|" + "---|" * 11)
+
+    def opt(v, fmt):
+        return "–" if v is None else format(v, fmt)
+
+    for r in data["rows"]:
+        print(
+            f"| {r['batch']} | {r['adapters']} | {r['hand_graph']:.0f} | {r['nolora']:.0f} | {opt(r['lora'], '.0f')} "
+            f"| {r['peft_eager']:.0f} | {r['floor']:.0f} | {r['nolora/hand']:.3f} | {opt(r['lora/nolora'], '.3f')} "
+            f"| {r['peft/fxlora']:.1f} | {r['hand/floor']:.2f} |"
         )
 
 
