@@ -175,3 +175,27 @@ def test_torch_compile_backend_with_cuda_graphs_matches_eager_routing():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     graphs = graphed_backend.graphs
     assert graphs.enabled and len(graphs._calls) == 2  # lora and nolora, captured once each
+
+
+def test_torch_compile_cuda_graphs_under_transformers_generate_with_a_static_cache():
+    """transformers' own generate loop with its StaticCache (tensors marked static, written in
+    place by the graphs) through the backend with CUDA graphs: the same tokens as without."""
+    _, model, adapters, _ = _served(torch.float32)
+    options = dict(adapters={k: adapters[k] for k in ("a", "b")}, max_loras=4, max_rank=16)
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(4)).cuda()
+    outs = []
+    for graphs in (False, True):
+        torch._dynamo.reset()
+        backend = Backend.from_options(dict(options, cuda_graphs=graphs))
+        model.forward = torch.compile(type(model).forward.__get__(model), backend=backend)
+        try:
+            with torch.no_grad(), fxlora.use_adapters(["a", "b"]):
+                outs.append(
+                    model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static", pad_token_id=0)
+                )
+        finally:
+            del model.forward
+        if graphs:  # the cache's host-side length is only copied to the device: capturable
+            assert backend.graphs.enabled, backend.graphs.fallback_reason
+            assert backend.graphs._calls and not backend.graphs._refused
+    assert torch.equal(outs[0], outs[1])

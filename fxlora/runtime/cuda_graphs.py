@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class GraphSet:
         self.fallback_reason = None if enabled is False else f"the model is on {device}, not CUDA"
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._calls: dict[Hashable, _Captured] = {}
+        self._refused: set[Hashable] = set()
         self.capture_seconds = 0.0
         self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self._warned = False
@@ -82,7 +84,7 @@ class GraphSet:
         graph.replay()
         return out
 
-    def call(self, key: Hashable, fn: Callable[..., Any], args: tuple) -> Any:
+    def call(self, key: Hashable, fn: Callable[..., Any], args: tuple, uncapturable: str | None = None) -> Any:
         """``fn(*args)``, replayed from a graph captured for ``key`` and the signature of
         ``args`` (shapes, strides, dtypes; the address of every static input).
 
@@ -91,10 +93,19 @@ class GraphSet:
         copies of the inputs whose address may change. Static inputs (parameters, buffers,
         tensors marked with ``torch._dynamo.mark_static_address``) are read in place; a new
         address is a new signature. Replays copy the inputs in, mutated inputs back, and
-        return copies of the outputs, so callers never see a later replay overwrite them.
+        return copies of the outputs, so callers never see a later replay overwrite them. CPU
+        inputs the graph copies to the device are kept in pinned memory; writing the next
+        call's values waits for the previous replay of that graph to have read them.
+
+        ``uncapturable``: why ``fn`` must run eagerly (see :func:`cpu_work`); said once per key.
         """
         if not self.enabled:
             self._warn()
+            return fn(*args)
+        if uncapturable is not None:
+            if key not in self._refused:
+                self._refused.add(key)
+                log.warning("fxlora: graph %s runs without CUDA graphs: %s", key, uncapturable)
             return fn(*args)
         sig = (key, *(_signature(a) for a in args))
         captured = self._calls.get(sig)
@@ -147,15 +158,51 @@ class _Captured:
         self.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not _is_static(a)]
         self.mutated = sorted(mutated & set(self.copied))
         inputs = list(args)
-        for i in self.copied:
-            inputs[i] = args[i].clone()
+        for i in self.copied:  # CPU ones pinned, so that the graph's copy to the device captures
+            inputs[i] = args[i].clone().pin_memory() if args[i].device.type == "cpu" else args[i].clone()
         self.inputs = inputs
+        host = any(inputs[i].device.type == "cpu" for i in self.copied)
+        self.read = torch.cuda.Event() if host else None
         self.graph, self.out = graphs._capture_one(lambda _: fn(*inputs), None, warmups=0)
 
     def __call__(self, args: tuple) -> Any:
+        if self.read is not None:
+            self.read.synchronize()  # the last replay has copied its host inputs to the device
         for i in self.copied:
             self.inputs[i].copy_(args[i])
         self.graph.replay()
+        if self.read is not None:
+            self.read.record()
         for i in self.mutated:
             args[i].copy_(self.inputs[i])
         return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.out)
+
+
+def cpu_work(gm: fx.GraphModule) -> str | None:
+    """Why a CUDA graph of ``gm`` would not redo all of its work on replay: a CPU tensor that
+    the graph computes or changes (a replay runs device work only). CPU inputs that the graph
+    only copies to the device are fine: their copies are made non-blocking here, the form a
+    capture accepts (the runtime keeps such inputs pinned). None when there is no such tensor."""
+    copies = []
+    for node in gm.graph.nodes:
+        if not any(t.device.type == "cpu" for t in _traced_tensors(node)):
+            continue
+        to_device = [
+            u
+            for u in node.users
+            if u.op == "call_method" and u.target in ("to", "cuda") and not any(t.device.type == "cpu" for t in _traced_tensors(u))
+        ]
+        if node.op != "placeholder" or len(to_device) != len(node.users):
+            return f"it computes on a CPU tensor ({node.op} {node.name})"
+        copies += to_device
+    for copy in copies:
+        copy.kwargs = {**copy.kwargs, "non_blocking": True}
+    if copies:
+        gm.recompile()
+    return None
+
+
+def _traced_tensors(node: fx.Node) -> list[torch.Tensor]:
+    val = node.meta.get("val", node.meta.get("example_value"))
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return [v for v in vals if isinstance(v, torch.Tensor)]

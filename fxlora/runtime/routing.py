@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from fxlora.adapters import AdapterPool
 from fxlora.passes.graph_edit import BASE_CALL, TARGETS
-from fxlora.runtime.cuda_graphs import GraphSet
+from fxlora.runtime.cuda_graphs import GraphSet, cpu_work
 
 # Modules whose LoRA ran during the current call, when the caller records them.
 _covered: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("fxlora_covered", default=None)
@@ -85,6 +85,8 @@ class Router:
         """``graphs``: replay the variants from CUDA graphs captured per input signature."""
         self.lora, self.nolora, self.pool, self.device = lora, nolora, pool, device
         self.graphs = graphs
+        variants = (("lora", lora), ("nolora", nolora)) if graphs is not None else ()
+        self.uncapturable = {v: cpu_work(g) for v, g in variants if g is not None}
         self.lora_modules = frozenset().union(
             *(
                 n.meta.get(TARGETS) or ({n.meta["fxlora_module"]} if n.meta.get(BASE_CALL) else set())
@@ -117,4 +119,4 @@ class Router:
         fn = getattr(self, variant)
         if self.graphs is None:
             return fn(*args)
-        return self.graphs.call((id(self), variant), fn, args)
+        return self.graphs.call((id(self), variant), fn, args, self.uncapturable[variant])
