@@ -128,8 +128,14 @@ def test_bf16_generation_agrees_with_peft():
     assert agree >= 0.99, (agree, sorted(gaps[gaps > 0].tolist()))
 
 
-def test_call_replays_per_signature_with_inputs_copied_in_and_mutations_out():
-    weight = torch.nn.Parameter(torch.randn(4, 4, device="cuda"))
+@pytest.mark.parametrize("inference_mode", [False, True])
+def test_call_replays_per_signature_with_inputs_copied_in_and_mutations_out(inference_mode):
+    weight = torch.nn.Parameter(torch.randn(4, 4, device="cuda"), requires_grad=False)
+    with torch.inference_mode(inference_mode):  # inference tensors keep no version counter
+        _call_replays_per_signature(weight)
+
+
+def _call_replays_per_signature(weight):
     calls = []
 
     def step(x, counter):

@@ -110,9 +110,14 @@ class GraphSet:
         sig = (key, *(_signature(a) for a in args))
         captured = self._calls.get(sig)
         if captured is None:
-            versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+            versions = [_version(a) for a in args]
             out = fn(*args)
-            mutated = {i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v}
+            # inference tensors keep no version counter: count them as mutated (a harmless copy back)
+            mutated = {
+                i
+                for i, (a, v) in enumerate(zip(args, versions))
+                if isinstance(a, torch.Tensor) and (v is None or _version(a) != v)
+            }
             start = time.perf_counter()
             try:
                 self._calls[sig] = _Captured(self, fn, args, mutated)
@@ -137,6 +142,10 @@ class GraphSet:
         if not self._warned and self.fallback_reason is not None:
             log.warning("fxlora: running without CUDA graphs: %s", self.fallback_reason)
             self._warned = True
+
+
+def _version(x: Any) -> int | None:
+    return x._version if isinstance(x, torch.Tensor) and not x.is_inference() else None
 
 
 def _is_static(x: torch.Tensor) -> bool:
