@@ -176,7 +176,8 @@ def compile(
     adapters and base model. ``target_modules`` (PEFT syntax, ``"all-linear"`` included)
     reserves pool space for adapters loaded later; by default the modules of the given
     adapters are the targets, or every linear layer but the output head when none are given.
-    The model itself is not modified.
+    The model itself is not modified, but for one setting: MoE experts that run transformers'
+    eager loop (it reads routing on the host) are switched to its `grouped_mm` implementation.
 
     ``generate`` serves batches of up to ``max_batch_size`` rows of up to ``max_len`` tokens
     (prompt and new tokens) from a static KV cache; its decode steps replay CUDA graphs
