@@ -185,7 +185,7 @@ def test_property_mixed_batches(family, experts, data):
     elif fmt == "per-expert":
         adapters["b"] = per_expert_adapter(model, ranks[1], seed=5)
     rows = data.draw(st.lists(st.sampled_from(["a", "b", None]), min_size=1, max_size=4), label="rows")
-    cm = fxlora.compile(copy.deepcopy(model), adapters, max_loras=2, max_rank=8)
+    cm = fxlora.compile(copy.deepcopy(model), adapters, max_loras=2, max_rank=12)  # per-expert gate+up: 2 r
     ids = torch.randint(3, 96, (len(rows), data.draw(st.integers(1, 6), label="length")))
     with torch.no_grad():
         out = cm(input_ids=ids, adapter_names=rows).logits
