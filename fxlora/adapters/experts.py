@@ -83,13 +83,11 @@ def resolve(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
     where = f"adapter {adapter.name!r} ({adapter.source})"
     out: dict[str, LoraFactors] = {}
     per_expert: dict[str, dict[tuple[int, str], LoraFactors]] = defaultdict(dict)
-    formats = set()
     for key, f in adapter.modules.items():
         m = _PER_EXPERT.match(key)
         if f.kind == "parameter":
             fqn, factors = _from_parameter(where, adapter, key, f, modules)
             out[fqn] = factors
-            formats.add(factors.format)
         elif key not in modules and m and m["experts"] in modules and is_experts(modules[m["experts"]]):
             proj = PER_EXPERT_NAMES.get(m["proj"])
             if proj is None:

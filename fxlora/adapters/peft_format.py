@@ -226,14 +226,12 @@ def _factors(
                 f"adapter {name!r} ({where}): holds weights for module {module!r}, which its "
                 "target_modules / exclude_modules / layers_to_transform do not select"
             )
-        r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
-        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+        r, scaling = _rank_and_scaling(config, module)
         if a.shape[0] != r:
             raise AdapterError(
                 f"adapter {name!r} ({where}): module {module!r} has rank {a.shape[0]} (lora_A {tuple(a.shape)}) "
                 f"but its config gives r={r}"
             )
-        scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
         modules[module] = LoraFactors(kinds[module], a, b, scaling)
     return modules, base_weights
 
@@ -253,13 +251,18 @@ def _wraps_parameter(config: LoraConfig, module: str) -> bool:
     return False
 
 
-def _parameter_factors(name: str, where: str, config: LoraConfig, module: str, a, b) -> LoraFactors:
+def _rank_and_scaling(config: LoraConfig, module: str) -> tuple[int, float]:
+    """The module's rank and ``alpha / r`` (``/ sqrt(r)`` with rsLoRA), through the patterns."""
     r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
     alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+    return r, alpha / math.sqrt(r) if config.use_rslora else alpha / r
+
+
+def _parameter_factors(name: str, where: str, config: LoraConfig, module: str, a, b) -> LoraFactors:
+    r, scaling = _rank_and_scaling(config, module)
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] % r or b.shape[1] % r:
         raise AdapterError(
             f"adapter {name!r} ({where}): parameter LoRA {module!r} has lora_A {tuple(a.shape)} and lora_B "
             f"{tuple(b.shape)}, which are not (experts * r, in) and (out, r * experts) for r={r}"
         )
-    scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
     return LoraFactors("parameter", a, b, scaling, r=r)
