@@ -50,9 +50,9 @@ def run(fn, case, slot_ids, slots, gate, transposed, lora_on):
     lora = []
     for on, factors in zip(lora_on, (up_lora, down_lora)):
         lora += [t.to(DEVICE) for t in factors] if on else [None] * 4
-    info = batch_info(slot_ids.to(DEVICE), device_case[0], 1, slots)
+    token_slot = batch_info(slot_ids.to(DEVICE), device_case[0], 1, slots)[0]
     scratch = _scratch(device_case[1], lora)
-    return fn(*device_case, *lora, *info, *scratch, transposed, gate, "silu", 1.702, 7.0)
+    return fn(*device_case, *lora, token_slot, *scratch, transposed, gate, "silu", 1.702, 7.0)
 
 
 def _scratch(index, lora):
@@ -98,5 +98,5 @@ def _reference(case, slot_ids, slots, gate, transposed, lora_on):
     lora = []
     for on, factors in zip(lora_on, (up_lora, down_lora)):
         lora += [t.float() if t.dtype.is_floating_point else t for t in factors] if on else [None] * 4
-    info = batch_info(slot_ids, f32[0], 1, slots)
-    return moe_lora(*f32, *lora, *info, *_scratch(f32[1], lora), transposed, gate, "silu", 1.702, 7.0)
+    token_slot = batch_info(slot_ids, f32[0], 1, slots)[0]
+    return moe_lora(*f32, *lora, token_slot, *_scratch(f32[1], lora), transposed, gate, "silu", 1.702, 7.0)

@@ -12,8 +12,9 @@ For token ``t`` of slot ``s`` routed to experts ``e = top_k_index[t, j]`` with w
 ``W_up`` is the experts' ``gate_up_proj`` (or ``up_proj`` when the experts have no gate),
 stored ``(E, out, in)``, or ``(E, in, out)`` when ``transposed``. The LoRA pools are
 ``A (slots, E, max_rank, in)``, ``B (slots, E, out, max_rank)``, ``scaling`` and ``rank`` per
-slot; a parameter without LoRA passes ``None``. ``gate`` names how the up projection becomes
-the down projection's input:
+slot; a parameter without LoRA passes ``None``. ``token_slot`` is each token's slot
+(``fxlora::batch_info``'s first output); the op groups the token–expert pairs itself.
+``gate`` names how the up projection becomes the down projection's input:
 
 - ``"glu"``: ``act(first half) * second half`` (transformers' default ``_apply_gate``);
 - ``"glu_interleaved_clamped"``: GPT-OSS's gate: even columns are the gate, odd the up
@@ -107,9 +108,6 @@ def moe_lora(
     down_scaling: torch.Tensor | None,
     down_rank: torch.Tensor | None,
     token_slot: torch.Tensor,
-    sorted_tokens: torch.Tensor,
-    seg_start: torch.Tensor,
-    seg_len: torch.Tensor,
     workspace: torch.Tensor,
     routing: torch.Tensor,
     transposed: bool,
@@ -138,7 +136,7 @@ def moe_lora(
 def moe_lora_triton(
     hidden, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias,
     up_lora_a, up_lora_b, up_scaling, up_rank, down_lora_a, down_lora_b, down_scaling, down_rank,
-    token_slot, sorted_tokens, seg_start, seg_len, workspace, routing, transposed, gate, act, alpha, limit,
+    token_slot, workspace, routing, transposed, gate, act, alpha, limit,
 ):  # fmt: skip
     tokens, top_k = top_k_index.shape
     experts = up_weight.shape[0]

@@ -90,7 +90,7 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         lora = []
         for name in (up_name, "down_proj"):
             lora += pool_nodes(gm, targets[name]) if name in targets else [None] * 4
-        info = batch_info_for(gm, ctx, hidden, feature_dims=1)
+        token_slot = batch_info_for(gm, ctx, hidden, feature_dims=1)[0]
         pool_a = next(a for a in (lora[0], lora[4]) if a is not None)
         a_value = next(t.lora_a for t in targets.values())
         workspace = gm.graph.call_function(moe_workspace, (top_k_index, pool_a))
@@ -102,7 +102,7 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         args = (
             hidden, top_k_index, top_k_weights,
             found["up"], found.get("up_bias"), found["down"], found.get("down_bias"),
-            *lora, *info, workspace, routing,
+            *lora, token_slot, workspace, routing,
             layout["transposed"], layout["gate"], layout["act"], layout["alpha"], layout["limit"],
         )  # fmt: skip
         op = gm.graph.call_function(torch.ops.fxlora.moe_lora.default, args)
