@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from fxlora.adapters import AdapterPool, read_adapter
 from fxlora.passes import PassContext, run_pipeline
+from fxlora.passes.specialize import LORA_OPS
 from fxlora.runtime.arena import Arena
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.routing import Router
@@ -66,7 +67,7 @@ class Backend:
         if self.cuda_graphs and self.graphs is None:
             self.graphs = GraphSet(device, enabled=True)
         router = Router(lora, nolora, self.pool, device, self.graphs)
-        kinds = Counter(ctx.rewritten.values())
+        kinds = Counter(n.target.name() for n in (lora.graph.nodes if lora else ()) if n.target in LORA_OPS)
         summary = ", ".join(f"{n} x {op}" for op, n in sorted(kinds.items())) or "no LoRA ops"
         ctx.report.insert(0, f"graph {len(self.routers)}: {summary}")
         self.routers.append(router)
