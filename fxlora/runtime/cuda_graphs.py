@@ -23,6 +23,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from fxlora.passes.graph_edit import meta_value
+
 log = logging.getLogger(__name__)
 
 
@@ -212,6 +214,6 @@ def cpu_work(gm: fx.GraphModule) -> str | None:
 
 
 def _traced_tensors(node: fx.Node) -> list[torch.Tensor]:
-    val = node.meta.get("val", node.meta.get("example_value"))
+    val = meta_value(node)
     vals = val if isinstance(val, (tuple, list)) else (val,)
     return [v for v in vals if isinstance(v, torch.Tensor)]
