@@ -36,6 +36,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft
 
 import fxlora
 from fxlora.runtime.kv_cache import StaticKVCache, probe_shapes
+from fxlora.testing.models import fill_zero_weights
 
 RANK, CONTEXT = 16, 512
 MAX_LEN = CONTEXT + 16
@@ -196,10 +197,7 @@ def main() -> None:
     torch.manual_seed(0)
     config = sp.config
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2 and not p.any():  # routers start at zero: every token would pick the same experts
-                p.normal_(0.0, 0.02)
+    fill_zero_weights(model, 0.02)
     if hasattr(config, "num_experts"):
         model.set_experts_implementation("grouped_mm")  # capturable by hand too; fxlora would switch it anyway
     adapters = make_adapters(sp, max(counts))

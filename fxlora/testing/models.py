@@ -88,11 +88,17 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **config_kw), dtype=dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2 and not p.any():  # e.g. MoE routers start at zero: every token would tie
-                p.normal_(0.0, 0.5)
+    fill_zero_weights(model, 0.5)
     return model.eval()
+
+
+@torch.no_grad()
+def fill_zero_weights(model: torch.nn.Module, std: float) -> None:
+    """Draw every all-zero weight matrix from ``N(0, std²)``: ``transformers`` starts MoE
+    routers at zero, where every token would pick the same experts."""
+    for p in model.parameters():
+        if p.dim() >= 2 and not p.any():
+            p.normal_(0.0, std)
 
 
 def lora_module_names(model: torch.nn.Module) -> list[str]:
