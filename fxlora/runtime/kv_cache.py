@@ -130,7 +130,7 @@ class _Probe(CacheLayerMixin):
         self.shapes: tuple | None = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        pass
+        """Nothing to allocate: the probe only records what ``update`` is given."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         self.shapes = ((key_states.shape[1], key_states.shape[-1]), (value_states.shape[1], value_states.shape[-1]))
