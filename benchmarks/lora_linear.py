@@ -1,7 +1,7 @@
 """Multi-adapter LoRA linear: fxlora's kernels against the base GEMM, a PyTorch gather-bmm,
 a PEFT-style per-adapter loop and the bytes-moved floor, side by side in one process.
 
-    python benchmarks/lora_linear.py [--out results.json] [--quick]
+    python benchmarks/lora_linear.py [--out results.json] [--quick] [--shape NAME ...]
 
 For every shape: tokens x (in -> out slices) x rank x distinct adapters, bf16. Times are
 medians in microseconds, inside CUDA graphs (launch gaps removed) and eagerly. The floor is
@@ -20,10 +20,11 @@ import torch
 import triton
 import triton.testing
 
-from fxlora.kernels import batch_info, sgmv
+from fxlora.kernels import batch_info
+from fxlora.kernels.lora_linear import lora_linear_triton
 
 DTYPE = torch.bfloat16
-SIDE = None  # side stream for the shrink, made once CUDA is up
+COLD_TOKENS, COLD_BYTES = 256, 200 << 20  # H100 L2: 50 MB
 SHAPES = {"4096x4096": (4096, (4096,)), "qkv 4096->4096+1024+1024": (4096, (4096, 1024, 1024))}
 
 
@@ -41,10 +42,18 @@ class Row:
     fxlora_eager: float
     peft_loop_eager: float
     floor_delta: float
+    base_cold_graph: float | None  # weights not in L2 (up to COLD_TOKENS tokens)
+    fxlora_cold_graph: float | None
 
     @property
     def delta_over_base(self) -> float:
         return (self.fxlora_graph - self.base_graph) / self.base_graph
+
+    @property
+    def cold_delta_over_base(self) -> float | None:
+        if self.base_cold_graph is None:
+            return None
+        return (self.fxlora_cold_graph - self.base_cold_graph) / self.base_cold_graph
 
     @property
     def loop_over_fxlora(self) -> float:
@@ -76,32 +85,38 @@ def run_case(shape: str, tokens: int, rank: int, adapters: int, bandwidth: float
     d_out, slices = sum(widths), len(widths)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(DTYPE)  # noqa: E731
-    x, w = rnd(tokens, d_in), rnd(d_out, d_in) / d_in**0.5
-    a = rnd(adapters, slices * rank, d_in) / d_in**0.5
-    b = rnd(adapters, d_out, rank) / rank**0.5
+
+    def operands():  # x, the base weight, A and B
+        return (
+            rnd(tokens, d_in), rnd(d_out, d_in) / d_in**0.5,
+            rnd(adapters, slices * rank, d_in) / d_in**0.5, rnd(adapters, d_out, rank) / rank**0.5,
+        )
+
+    x, w, a, b = operands()
     scaling = torch.ones(adapters * slices, device="cuda")
     ranks = torch.full((adapters * slices,), rank, dtype=torch.int32, device="cuda")
     slot_ids = (torch.arange(tokens, device="cuda") % adapters).to(torch.int32)
     slot_ids = slot_ids[torch.randperm(tokens, device="cuda", generator=gen)]
     meta = batch_info(slot_ids, x, 1, adapters)
-    _, sorted_tokens, seg_start, seg_len = meta
 
     def base():
         return torch.nn.functional.linear(x, w)
 
-    def fxlora(overlap=True):
-        if overlap:
-            main, side = torch.cuda.current_stream(), SIDE
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                v = sgmv.lora_shrink(x, a, ranks, sorted_tokens, seg_start, seg_len, num_slices=slices)
-            y = torch.nn.functional.linear(x, w)
-            main.wait_stream(side)
-        else:
-            v = sgmv.lora_shrink(x, a, ranks, sorted_tokens, seg_start, seg_len, num_slices=slices)
-            y = torch.nn.functional.linear(x, w)
-        sgmv.lora_expand(y, v, b, scaling, ranks, sorted_tokens, seg_start, seg_len, widths)
-        return y
+    workspace = torch.empty(tokens, slices * rank, device="cuda")
+
+    def fxlora(overlap=True, x=x, w=w, a=a, b=b):
+        return lora_linear_triton(
+            x, w, None, a, b, scaling, ranks, *meta, workspace, overlap=overlap, slice_widths=widths
+        )
+
+    # Cold: in a model every layer reads its weights from memory, not from L2 as a loop over one
+    # layer does. Cycle through copies of the operands that together overflow L2.
+    cold_base = cold_fxlora = None
+    if tokens <= COLD_TOKENS:
+        copies = [operands() for _ in range(-(-COLD_BYTES // (w.numel() * w.element_size())))]
+        cold_base = graph_us(lambda: [torch.nn.functional.linear(c[0], c[1]) for c in copies]) / len(copies)
+        cold_fxlora = graph_us(lambda: [fxlora(True, *c) for c in copies]) / len(copies)
+        del copies
 
     # block-diagonal B per slice folded into one (out, slices*rank) matrix for the references
     b_full = torch.zeros(adapters, d_out, slices * rank, device="cuda", dtype=DTYPE)
@@ -131,7 +146,7 @@ def run_case(shape: str, tokens: int, rank: int, adapters: int, bandwidth: float
     return Row(
         shape, tokens, rank, adapters,
         base_graph=graph_us(base), fxlora_graph=graph_us(fxlora), fxlora_serial_graph=graph_us(lambda: fxlora(False)),
-        gather_bmm_graph=graph_us(gather_bmm),
+        gather_bmm_graph=graph_us(gather_bmm), base_cold_graph=cold_base, fxlora_cold_graph=cold_fxlora,
         base_eager=eager_us(base), fxlora_eager=eager_us(fxlora), peft_loop_eager=eager_us(peft_loop),
         floor_delta=floor_bytes / bandwidth * 1e6,
     )
@@ -140,14 +155,13 @@ def run_case(shape: str, tokens: int, rank: int, adapters: int, bandwidth: float
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
-    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--quick", action="store_true", help="a few token counts only")
+    parser.add_argument("--shape", choices=SHAPES, action="append", help="only these shapes (repeatable)")
     args = parser.parse_args()
-    global SIDE
-    SIDE = torch.cuda.Stream()
     bandwidth = copy_bandwidth()
     tokens_list = [1, 8, 32, 64, 256, 2048] if not args.quick else [1, 32, 2048]
     rows = []
-    for shape in SHAPES:
+    for shape in args.shape or SHAPES:
         for tokens in tokens_list:
             for rank in (16, 64):
                 for adapters in sorted({1, 4, 16, tokens}):
@@ -168,14 +182,15 @@ def main() -> None:
     print(json.dumps(env))
     head = (
         f"{'shape':<26}{'T':>5}{'r':>4}{'ad':>5} | {'base':>7}{'fxlora':>8}{'serial':>8}{'bmm':>8} graph us | "
-        f"{'+delta':>7} {'floor':>6} {'x floor':>7} | {'fx eager':>8}{'loop':>8} {'loop/fx':>7}"
+        f"{'+delta':>7} {'floor':>6} {'x floor':>7} | {'fx eager':>8}{'loop':>8} {'loop/fx':>7} | {'+delta cold':>11}"
     )
     print(head)
     for r in rows:
         print(
             f"{r.shape:<26}{r.tokens:>5}{r.rank:>4}{r.adapters:>5} | {r.base_graph:>7.1f}{r.fxlora_graph:>8.1f}{r.fxlora_serial_graph:>8.1f}"
             f"{r.gather_bmm_graph:>8.1f}          | {r.delta_over_base:>7.1%} {r.floor_delta:>6.1f} "
-            f"{r.delta_over_floor:>7.2f} | {r.fxlora_eager:>8.1f}{r.peft_loop_eager:>8.1f} {r.loop_over_fxlora:>7.1f}"
+            f"{r.delta_over_floor:>7.2f} | {r.fxlora_eager:>8.1f}{r.peft_loop_eager:>8.1f} {r.loop_over_fxlora:>7.1f} | "
+            + ("" if r.cold_delta_over_base is None else f"{r.cold_delta_over_base:>11.1%}")
         )
 
 

@@ -23,16 +23,22 @@ def main(path: str) -> None:
     )
     print(
         "| shape | tokens | rank | adapters | base µs | fxlora µs | fxlora serial µs | gather-bmm µs "
-        "| LoRA delta / base | delta floor µs | delta / floor | fxlora eager µs | PEFT loop eager µs | loop / fxlora |"
+        "| LoRA delta / base | delta floor µs | delta / floor | fxlora eager µs | PEFT loop eager µs | loop / fxlora "
+        "| cold base µs | cold fxlora µs | cold delta / base |"
     )
-    print("|" + "---|" * 14)
+    print("|" + "---|" * 17)
     for r in data["rows"]:
         delta = r["fxlora_graph"] - r["base_graph"]
+        cold = ["–"] * 3
+        if r.get("base_cold_graph") is not None:
+            cold_delta = (r["fxlora_cold_graph"] - r["base_cold_graph"]) / r["base_cold_graph"]
+            cold = [f"{r['base_cold_graph']:.1f}", f"{r['fxlora_cold_graph']:.1f}", f"{cold_delta:.0%}"]
         print(
             f"| {r['shape']} | {r['tokens']} | {r['rank']} | {r['adapters']} | {r['base_graph']:.1f} "
             f"| {r['fxlora_graph']:.1f} | {r['fxlora_serial_graph']:.1f} | {r['gather_bmm_graph']:.1f} "
             f"| {delta / r['base_graph']:.0%} | {r['floor_delta']:.1f} | {delta / r['floor_delta']:.2f} "
-            f"| {r['fxlora_eager']:.1f} | {r['peft_loop_eager']:.1f} | {r['peft_loop_eager'] / r['fxlora_eager']:.1f} |"
+            f"| {r['fxlora_eager']:.1f} | {r['peft_loop_eager']:.1f} | {r['peft_loop_eager'] / r['fxlora_eager']:.1f} "
+            f"| {' | '.join(cold)} |"
         )
 
 

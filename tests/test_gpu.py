@@ -60,7 +60,7 @@ def _expected(x, w, a, b, scaling, ranks, slot_ids):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens, rank", [(1, 16), (64, 16), (64, 64), (2048, 16)])
+@pytest.mark.parametrize("tokens, rank", [(1, 16), (8, 64), (64, 16), (64, 64), (2048, 16), (2048, 64)])
 def test_lora_linear_at_real_sizes(tokens, rank, dtype):
     x, w, a, b, scaling, ranks = _case(tokens, 4096, 4096, 8, rank, dtype)
     slot_ids = torch.randint(-1, 8, (tokens,), device="cuda", dtype=torch.int32)
@@ -71,8 +71,9 @@ def test_lora_linear_at_real_sizes(tokens, rank, dtype):
     assert err < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype], err
 
 
-def test_no_host_synchronisation():
-    x, w, a, b, scaling, ranks = _case(32, 256, 320, 4, 16, torch.bfloat16)
+@pytest.mark.parametrize("tokens", [4, 32])  # the per-token expand, the segmented one
+def test_no_host_synchronisation(tokens):
+    x, w, a, b, scaling, ranks = _case(tokens, 256, 320, 4, 16, torch.bfloat16)
     ids = torch.randint(0, 100, (4, 8), device="cuda")
     table = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
     ea, eb = torch.randn(4, 16, 100, device="cuda", dtype=torch.bfloat16), b[:, :256]
@@ -91,9 +92,9 @@ def test_no_host_synchronisation():
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("tokens_per_row", [1, 7])
-def test_cuda_graph_replay_with_new_assignments(tokens_per_row):
-    rows, slots = 16, 8
+@pytest.mark.parametrize("rows, tokens_per_row", [(4, 1), (16, 1), (16, 7)])
+def test_cuda_graph_replay_with_new_assignments(rows, tokens_per_row):
+    slots = 8
     x, w, a, b, scaling, ranks = _case(rows * tokens_per_row, 512, 768, slots, 16, torch.float32)
     slot_ids = torch.zeros(rows, dtype=torch.int32, device="cuda")
     lora_linear(x, w, None, a, b, scaling, ranks, *batch_info(slot_ids, x, 1, slots), lora_workspace(x, a))

@@ -6,7 +6,8 @@ The delta is added in place into the base output. Tokens without an adapter, and
 that do not touch this module (rank 0), cost nothing.
 
 On CUDA the base GEMM stays ``F.linear`` (cuBLAS) and the delta comes from the Triton SGMV
-kernels (:mod:`fxlora.kernels.sgmv`); elsewhere from :func:`lora_delta_reference`.
+kernels (:mod:`fxlora.kernels.sgmv`; for a handful of tokens the expand of
+:mod:`fxlora.kernels.bgmv`); elsewhere from :func:`lora_delta_reference`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fxlora.kernels.batch_info import slot_groups
-from fxlora.kernels.triton_support import sgmv
+from fxlora.kernels.triton_support import bgmv, sgmv
 
 
 def lora_delta_reference(
@@ -81,23 +82,35 @@ def lora_linear_triton(
     seg_len,
     workspace,
     overlap: bool = True,
+    slice_widths: tuple[int, ...] | None = None,
 ):
-    """The CUDA implementation. With ``overlap`` the shrink (which reads only ``x``) runs on a
-    side stream beside the base GEMM; under CUDA-graph capture the fork and join become
-    parallel branches of the graph, so the shrink's time hides behind the GEMM."""
+    """The CUDA implementation: the SGMV kernels of :mod:`fxlora.kernels.sgmv`, with the
+    per-token expand of :mod:`fxlora.kernels.bgmv` up to ``bgmv.MAX_TOKENS`` tokens. With
+    ``overlap`` the shrink (which reads only ``x``) runs on a side stream beside the base GEMM;
+    under CUDA-graph capture the fork and join become parallel branches of the graph, so the
+    shrink's time hides behind the GEMM. ``slice_widths``: several output slices sharing one
+    input, each with its own factors (the kernels' multi-slice layout)."""
     x2 = x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
+    slices = len(slice_widths or (None,))
+    shrink = lambda: sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len, slices, out=workspace)  # noqa: E731
+    if x2.shape[0] <= bgmv.MAX_TOKENS:
+        expand = lambda y, v: bgmv.lora_expand(y, v, lora_b, scaling, rank, token_slot, slice_widths)  # noqa: E731
+    else:
+        expand = lambda y, v: sgmv.lora_expand(  # noqa: E731
+            y, v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len, slice_widths
+        )
     if overlap:
         main, side = torch.cuda.current_stream(), _side_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            v = sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len, out=workspace)
+            v = shrink()
         y = F.linear(x, weight, bias)
         main.wait_stream(side)
         v.record_stream(main)
     else:
-        v = sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len, out=workspace)
+        v = shrink()
         y = F.linear(x, weight, bias)
-    sgmv.lora_expand(y.view(-1, y.shape[-1]), v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len)
+    expand(y.view(-1, y.shape[-1]), v)
     return y
 
 

@@ -31,6 +31,7 @@ from functools import cache
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
@@ -102,9 +103,11 @@ def _expand_kernel(
     num_slots,
     stride_yt, stride_vt, stride_bs, stride_bn,
     MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    IEEE: tl.constexpr, INDIRECT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+    IEEE: tl.constexpr, INDIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched before the kernel ahead finishes: wait for it before reading anything
+        gdc_wait()
     seg, block, length = _segment_block(tl.program_id(0), seg_len_ptr, num_slots, SLOTS_P2, BLOCK_M)
     if seg >= num_slots:
         return
@@ -116,33 +119,34 @@ def _expand_kernel(
     rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
     col0 = tl.load(slice_start_ptr + sl)
     width = tl.load(slice_start_ptr + sl + 1) - col0
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if rank == 0 or tl.program_id(1) * BLOCK_N >= width:
+    lo = tl.program_id(1) * (BLOCK_N * TILES)  # this program's TILES column tiles
+    if rank == 0 or lo >= width:
         return
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < length
     start = tl.load(seg_start_ptr + seg)
     tokens = tl.load(sorted_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
-    n_ok = n < width
-    cols = col0 + n
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
     vs = tl.load(v_ptr + tokens[:, None] * stride_vt + (sl * MAX_RANK + r)[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-    # B[s] rows are contiguous along the rank: load them as stored, transpose in registers
-    b = tl.load(
-        b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + r[None, :],
-        mask=n_ok[:, None] & r_ok[None, :],
-        other=0.0,
-    )
-    if IEEE:
-        delta = tl.dot(vs, tl.trans(b.to(tl.float32)), input_precision="ieee")
-    else:
-        delta = tl.dot(vs.to(b.dtype), tl.trans(b))
-    delta *= tl.load(scaling_ptr + slot * NUM_SLICES + sl)
-    out = y_ptr + tokens[:, None] * stride_yt + cols[None, :]
-    mask = row_ok[:, None] & n_ok[None, :]
-    y = tl.load(out, mask=mask, other=0.0)
-    tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+    if not IEEE:
+        vs = vs.to(b_ptr.dtype.element_ty)
+    scale = tl.load(scaling_ptr + slot * NUM_SLICES + sl)
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    for n0 in tl.range(lo, tl.minimum(lo + BLOCK_N * TILES, width), BLOCK_N, num_stages=STAGES):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < width
+        cols = col0 + n
+        out = y_ptr + tokens[:, None] * stride_yt + cols[None, :]
+        mask = row_ok[:, None] & n_ok[None, :]
+        y = tl.load(out, mask=mask, other=0.0)
+        # B[s] rows are contiguous along the rank: load them as stored, transpose in registers
+        b = tl.load(b_base + cols[:, None].to(tl.int64) * stride_bn + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        if IEEE:
+            delta = tl.dot(vs, tl.trans(b.to(tl.float32)), input_precision="ieee")
+        else:
+            delta = tl.dot(vs, tl.trans(b))
+        tl.store(out, (y.to(tl.float32) + delta * scale).to(y.dtype), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,7 @@ class ShrinkConfig:
     block_k: int
     split_k: int
     num_warps: int
+    block_r: int = 64  # at most this many rank rows per program
 
 
 @dataclass(frozen=True)
@@ -158,25 +163,36 @@ class ExpandConfig:
     block_m: int
     block_n: int
     num_warps: int
+    tiles: int = 1  # column tiles per program, looped over with pipelined loads
+    stages: int = 2
 
 
-# Chosen per shape class from benchmarks/sgmv_tune.py on an H100 (bf16, K = N = 4096):
-# small token counts split the shrink's reduction widely so that enough programs run;
-# the expand wants wide output tiles, wider still for large ranks.
-def shrink_config(tokens: int, k: int) -> ShrinkConfig:
-    if tokens <= 512:
-        return ShrinkConfig(16, 64, max(1, min(16, k // 64)), 2)
+# Chosen per shape class from benchmarks/sgmv_tune.py on an H100 (bf16, K = N = 4096, and
+# the fused qkv shape): small token counts split the shrink's reduction widely so that enough
+# programs run; long runs of tokens read x once for all rank rows (several slices' worth) and
+# stream the expand's column tiles through each program.
+def shrink_config(tokens: int, k: int, ranks: int) -> ShrinkConfig:
+    if tokens <= 512:  # chosen inside the whole op, where the shrink shares SMs with the GEMM
+        return ShrinkConfig(16, 128, max(1, min(8, k // 128)), 2)
+    if ranks > 64:
+        return ShrinkConfig(64, 64, max(1, min(4, k // 64)), 8, block_r=256)
     return ShrinkConfig(64, 64, max(1, min(8, k // 64)), 4)
 
 
 def expand_config(tokens: int, rank: int) -> ExpandConfig:
     if tokens <= 512:
         return ExpandConfig(16, 256 if rank > 32 else 128, 4)
-    return ExpandConfig(64, 256, 8) if rank > 32 else ExpandConfig(32, 256, 4)
+    return ExpandConfig(64 if rank > 32 else 32, 64, 4, tiles=4, stages=2)
 
 
 @cache
-def _slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper (sm_90) and later, not in the interpreter."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@cache
+def slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
     starts = [0]
     for w in widths:
         starts.append(starts[-1] + w)
@@ -205,7 +221,7 @@ def lora_shrink(
     tokens, k = x.shape
     _, ranks, _ = lora_a.shape
     slots = seg_len.numel()
-    cfg = config or shrink_config(tokens, k)
+    cfg = config or shrink_config(tokens, k, ranks)
     if out is None:
         v = torch.zeros(tokens, ranks, dtype=torch.float32, device=x.device)
     else:
@@ -213,7 +229,7 @@ def lora_shrink(
             raise ValueError(f"shrink workspace must be contiguous float32 {(tokens, ranks)}, got {tuple(out.shape)}")
         v = out.zero_()
     x, lora_a = x.contiguous(), lora_a.contiguous()
-    block_r = _p2(min(ranks, 64))
+    block_r = _p2(min(ranks, cfg.block_r))
     grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(ranks, block_r), cfg.split_k)
     _shrink_kernel[grid](
         x, lora_a, v, rank, sorted_tokens, seg_start, seg_len, seg_slot if seg_slot is not None else seg_len,
@@ -246,13 +262,15 @@ def lora_expand(
     cfg = config or expand_config(tokens, max_rank)
     lora_b = lora_b.contiguous()
     assert y.stride(1) == 1, "the output must be contiguous along its features"
-    grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(max(widths), cfg.block_n), len(widths))
+    pdl = pdl_supported(y.device)
+    grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(max(widths), cfg.block_n * cfg.tiles), len(widths))
     _expand_kernel[grid](
-        y, v, lora_b, scaling, rank, _slice_starts(tuple(widths), y.device),
+        y, v, lora_b, scaling, rank, slice_starts(tuple(widths), y.device),
         sorted_tokens, seg_start, seg_len, seg_slot if seg_slot is not None else seg_len,
         slots,
         y.stride(0), v.stride(0), lora_b.stride(0), lora_b.stride(1),
         MAX_RANK=max_rank, NUM_SLICES=len(widths), SLOTS_P2=_p2(slots, 2),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_p2(max_rank),
-        IEEE=y.dtype == torch.float32, INDIRECT=seg_slot is not None, num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_p2(max_rank), TILES=cfg.tiles, STAGES=cfg.stages,
+        IEEE=y.dtype == torch.float32, INDIRECT=seg_slot is not None, PDL=pdl,
+        num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}),
     )

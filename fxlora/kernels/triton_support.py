@@ -2,8 +2,8 @@
 CPU-only install runs the reference implementations and needs no Triton."""
 
 try:
-    from fxlora.kernels import sgmv
+    from fxlora.kernels import bgmv, sgmv
 except ImportError:  # no Triton installed
-    sgmv = None
+    bgmv = sgmv = None
 
-__all__ = ["sgmv"]
+__all__ = ["bgmv", "sgmv"]

@@ -1,0 +1,176 @@
+"""Sweep the LoRA kernels' launch parameters on a few shape classes and print the best.
+
+    python benchmarks/lora_tune.py [sgmv] [bgmv] [switch] [in_context]
+
+Times each kernel alone inside a CUDA graph (median, microseconds), so the tables in
+``shrink_config`` / ``expand_config`` of ``fxlora/kernels/sgmv.py`` and ``bgmv.py`` can be
+chosen from measurements. ``switch`` times the whole op as ``lora_linear`` runs it on CUDA with
+either family's expand, to place the token count where one hands over to the other;
+``in_context`` the shrink's parameters inside that op, where it shares SMs with the GEMM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+import triton.testing
+
+from fxlora.kernels import batch_info, bgmv, sgmv
+
+SGMV_CASES = [  # (tokens, K, slice widths, rank, adapters)
+    (256, 4096, (4096,), 16, 16),
+    (256, 4096, (4096,), 64, 16),
+    (2048, 4096, (4096,), 16, 1),
+    (2048, 4096, (4096,), 16, 16),
+    (2048, 4096, (4096,), 64, 16),
+    (2048, 4096, (4096, 1024, 1024), 16, 16),
+    (2048, 4096, (4096, 1024, 1024), 64, 16),
+]
+BGMV_CASES = [
+    (1, 4096, (4096,), 16, 1),
+    (4, 4096, (4096,), 64, 4),
+    (8, 4096, (4096,), 16, 4),
+    (8, 4096, (4096, 1024, 1024), 16, 8),
+]
+
+
+def us(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
+
+
+def case(tokens, k, widths, rank, adapters):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16()  # noqa: E731
+    slices = len(widths)
+    x, y = rnd(tokens, k), rnd(tokens, sum(widths))
+    a, b = rnd(adapters, slices * rank, k), rnd(adapters, sum(widths), rank)
+    scaling = torch.ones(adapters * slices, device="cuda")
+    ranks = torch.full((adapters * slices,), rank, dtype=torch.int32, device="cuda")
+    slot_ids = (torch.arange(tokens, device="cuda") % adapters).int()
+    slot_ids = slot_ids[torch.randperm(tokens, device="cuda", generator=gen)]
+    meta = batch_info(slot_ids, x, 1, adapters)
+    v = torch.randn(tokens, slices * rank, device="cuda")
+    return x, y, a, b, scaling, ranks, meta, v
+
+
+def best(label, runs) -> None:
+    times = []
+    for cfg, fn in runs:
+        try:
+            fn()
+            times.append((us(fn), cfg))
+        except Exception as e:  # out of resources for this config
+            print("  skip", cfg, type(e).__name__)
+    times.sort(key=lambda p: p[0])
+    print(f"  {label} best:", ", ".join(f"{t:.1f}us {c}" for t, c in times[:4]), flush=True)
+
+
+def tune_sgmv() -> None:
+    for c in SGMV_CASES:
+        sgmv_case(*c)
+
+
+def tune_bgmv() -> None:
+    for c in BGMV_CASES:
+        bgmv_case(*c)
+
+
+def sgmv_case(tokens, k, widths, rank, adapters) -> None:
+    x, y, a, b, scaling, ranks, (_, order, start, length), v = case(tokens, k, widths, rank, adapters)
+    slices, ranks_cols = len(widths), a.shape[1]
+    print(f"sgmv T={tokens} K={k} widths={widths} r={rank} adapters={adapters}")
+    print("  default", sgmv.shrink_config(tokens, k, ranks_cols), sgmv.expand_config(tokens, rank))
+    shrink = [
+        (cfg, lambda cfg=cfg: sgmv.lora_shrink(x, a, ranks, order, start, length, slices, config=cfg))
+        for bm, bk, split, warps, br in itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8, 16), (2, 4, 8), (64, 256))
+        if bm <= max(16, tokens) and split * bk <= k and br <= max(64, ranks_cols)
+        for cfg in [sgmv.ShrinkConfig(bm, bk, split, warps, br)]
+    ]
+    best("shrink", shrink)
+    expand = [
+        (cfg, lambda cfg=cfg: sgmv.lora_expand(y, v, b, scaling, ranks, order, start, length, widths, config=cfg))
+        for bm, bn, (tiles, stages), warps in itertools.product(
+            (16, 32, 64), (64, 128, 256), ((1, 2), (4, 2), (4, 3), (16, 2)), (4, 8)
+        )
+        if bm <= max(16, tokens)
+        for cfg in [sgmv.ExpandConfig(bm, bn, warps, tiles, stages)]
+    ]
+    best("expand", expand)
+
+
+def bgmv_case(tokens, k, widths, rank, adapters) -> None:
+    _, y, _, b, scaling, ranks, (slot, *_), v = case(tokens, k, widths, rank, adapters)
+    print(f"bgmv T={tokens} widths={widths} r={rank} adapters={adapters}  default {bgmv.expand_config(tokens)}")
+    expand = [
+        (cfg, lambda cfg=cfg: bgmv.lora_expand(y, v, b, scaling, ranks, slot, widths, config=cfg))
+        for bn, warps in itertools.product((32, 64, 128, 256, 512), (1, 2, 4, 8))
+        for cfg in [bgmv.ExpandConfig(bn, warps)]
+    ]
+    best("expand", expand)
+
+
+def switch() -> None:
+    """The whole op (shrink beside the GEMM, then the expand) with either family's expand,
+    around the token counts where one should hand over to the other."""
+    for tokens, adapters, rank in itertools.product((1, 4, 8, 16, 32), (1, 4, 16), (16, 64)):
+        if adapters <= tokens:
+            switch_case(tokens, adapters, rank)
+
+
+def in_context() -> None:
+    """Shrink launch parameters timed inside the whole op, where the shrink shares the GPU
+    with the base GEMM (the isolated best may crowd the GEMM's SMs)."""
+    for tokens, adapters in itertools.product((1, 8, 32, 64), (1, 4, 16)):
+        if adapters <= tokens:
+            in_context_case(tokens, adapters, 16)
+
+
+def _op_parts(tokens, adapters, rank):
+    x, _, a, b, scaling, ranks, (slot, order, start, length), _ = case(tokens, 4096, (4096,), rank, adapters)
+    w = torch.randn(4096, 4096, device="cuda").bfloat16()
+    ws = torch.empty(tokens, rank, device="cuda")
+    side = torch.cuda.Stream()
+
+    def op(shrink, expand):
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shrink()
+        y = torch.nn.functional.linear(x, w)
+        main.wait_stream(side)
+        expand(y)
+
+    return x, w, a, b, scaling, ranks, (slot, order, start, length), ws, op
+
+
+def in_context_case(tokens, adapters, rank) -> None:
+    x, w, a, b, scaling, ranks, (slot, order, start, length), ws, op = _op_parts(tokens, adapters, rank)
+    expand = lambda y: sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length)  # noqa: E731
+    runs = [
+        (cfg, lambda cfg=cfg: op(lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, out=ws, config=cfg), expand))
+        for split, bk, warps in itertools.product((1, 2, 4, 8, 16), (64, 128, 256), (2, 4))
+        if split * bk <= 4096
+        for cfg in [sgmv.ShrinkConfig(16, bk, split, warps)]
+    ]
+    print(f"T={tokens} adapters={adapters} r={rank} base {us(lambda: torch.nn.functional.linear(x, w)):.1f}")
+    best("shrink in context", runs)
+
+
+def switch_case(tokens, adapters, rank) -> None:
+    x, w, a, b, scaling, ranks, (slot, order, start, length), ws, op = _op_parts(tokens, adapters, rank)
+    shrink = lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, out=ws)  # noqa: E731
+    expands = {
+        "bgmv": lambda y: bgmv.lora_expand(y, ws, b, scaling, ranks, slot),
+        "sgmv": lambda y: sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length),
+    }
+    cells = [f"base {us(lambda: torch.nn.functional.linear(x, w)):.1f}"]
+    cells += [f"{name} {us(lambda: op(shrink, expand)):.1f}" for name, expand in expands.items()]  # noqa: B023
+    print(f"T={tokens:>4} adapters={adapters:>2} r={rank}: " + "  ".join(cells) + " us", flush=True)
+
+
+if __name__ == "__main__":
+    parts = sys.argv[1:] or ["sgmv", "bgmv", "switch"]
+    for part in parts:
+        {"sgmv": tune_sgmv, "bgmv": tune_bgmv, "switch": switch, "in_context": in_context}[part]()

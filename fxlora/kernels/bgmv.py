@@ -1,0 +1,109 @@
+"""The LoRA expand as a batched gather matrix-vector product, for a handful of tokens, in Triton.
+
+With very few tokens the expand after the base GEMM is bound by the latency of its chain of
+dependent loads, not by bytes. This kernel gives every program one token and lets it read its
+adapter straight from ``token_slot`` (as Punica's BGMV does), where the segmented expand of
+:mod:`fxlora.kernels.sgmv` first walks the segment table:
+``y[t, cols] += scaling[s] * B[s, cols] @ v[t]`` in place, ``v`` from the SGMV shrink.
+
+Multi-slice layout (``B`` stacking each slice's output rows, ``scaling`` / ``rank`` one value
+per (slot, slice)) as in :mod:`fxlora.kernels.sgmv`. Tokens without an adapter are not touched.
+
+On Hopper and later the expand is launched as a programmatic dependent of the kernel before
+it (the base GEMM): it loads its token's slot and ``B`` while that kernel finishes, then waits
+for it (``gdc_wait``) before reading ``v`` and ``y``. Launches depend only on shapes, so they
+can be captured in a CUDA graph and replayed with other assignments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from fxlora.kernels.sgmv import pdl_supported, slice_starts
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr, v_ptr, b_ptr, scaling_ptr, rank_ptr, slice_start_ptr, slot_ptr,
+    stride_yt, stride_vt, stride_bs, stride_bn,
+    MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    sl = tl.program_id(2)
+    rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
+    col0 = tl.load(slice_start_ptr + sl)
+    width = tl.load(slice_start_ptr + sl + 1) - col0
+    if rank == 0 or tl.program_id(1) * BLOCK_N >= width:
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < width
+    cols = col0 + n
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < rank
+    # the slot, B and the scaling are ready before the kernel ahead of this one finishes
+    b = tl.load(
+        b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + r[None, :],
+        mask=n_ok[:, None] & r_ok[None, :],
+        other=0.0,
+    )
+    scale = tl.load(scaling_ptr + slot * NUM_SLICES + sl)
+    if PDL:
+        gdc_wait()
+    vs = tl.load(v_ptr + t.to(tl.int64) * stride_vt + sl * MAX_RANK + r, mask=r_ok, other=0.0)
+    delta = tl.sum(b.to(tl.float32) * vs[None, :], 1) * scale
+    out = y_ptr + t.to(tl.int64) * stride_yt + cols
+    y = tl.load(out, mask=n_ok, other=0.0)
+    tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=n_ok)
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    block_n: int
+    num_warps: int
+
+
+MAX_TOKENS = 8  # up to here lora_linear expands with this kernel; beyond, with the segmented one
+
+
+# Chosen from benchmarks/lora_tune.py on an H100 (bf16, N = 4096).
+def expand_config(tokens: int) -> ExpandConfig:
+    return ExpandConfig(64, 4) if tokens <= 4 else ExpandConfig(128, 2)
+
+
+def lora_expand(
+    y: torch.Tensor,  # (T, N) — updated in place
+    v: torch.Tensor,  # (T, num_slices * max_rank) float32, from sgmv.lora_shrink
+    lora_b: torch.Tensor,  # (slots, N, max_rank)
+    scaling: torch.Tensor,  # (slots * num_slices,) float32
+    rank: torch.Tensor,  # (slots * num_slices,) int32
+    token_slot: torch.Tensor,
+    slice_widths: tuple[int, ...] | None = None,
+    config: ExpandConfig | None = None,
+) -> None:
+    """On Hopper and later the kernel starts before the one ahead of it has finished: ``y`` and
+    ``v`` are read after waiting for it, ``token_slot``, ``lora_b``, ``scaling`` and ``rank``
+    before, so they must not come from that kernel (in ``lora_linear`` they come from the
+    batch-info prologue and the pool, ahead of the base GEMM)."""
+    tokens, n = y.shape
+    _, _, max_rank = lora_b.shape
+    widths = slice_widths or (n,)
+    cfg = config or expand_config(tokens)
+    lora_b = lora_b.contiguous()
+    assert y.stride(1) == 1, "the output must be contiguous along its features"
+    pdl = pdl_supported(y.device)
+    grid = (tokens, triton.cdiv(max(widths), cfg.block_n), len(widths))
+    _expand_kernel[grid](
+        y, v, lora_b, scaling, rank, slice_starts(tuple(widths), y.device), token_slot,
+        y.stride(0), v.stride(0), lora_b.stride(0), lora_b.stride(1),
+        MAX_RANK=max_rank, NUM_SLICES=len(widths), BLOCK_N=cfg.block_n, BLOCK_R=triton.next_power_of_2(max_rank),
+        PDL=pdl, num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}),
+    )
