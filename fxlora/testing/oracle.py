@@ -3,8 +3,15 @@ model with one adapter merged into a copy of its weights.
 
 For a mixed batch the reference output of a row is what PEFT gives with that row's adapter
 active (the unmodified model for ``None`` rows), computed on the sub-batch of rows sharing
-the adapter. The merged oracle needs no PEFT at all: ``W + scaling · B @ A`` per module. Tolerances live here, one per dtype: float32 compares by relative error,
-float16 / bfloat16 by the KL divergence of the per-token log-probabilities.
+the adapter. The merged oracle needs no PEFT at all: ``W + scaling · B @ A`` per module.
+Tolerances live here, one per dtype: float32 compares by relative error, float16 / bfloat16
+by the KL divergence of the per-token log-probabilities.
+
+In float32 a row's output also depends on the batch it runs in (other rows, other padding,
+other GEMM shapes): for a badly conditioned adapter (say rank 1 with scaling 64) PEFT
+itself moves by more than ``RTOL`` between its sub-batch and the whole batch. Where a row
+misses ``RTOL``, the check measures that spread of the oracle and allows
+``NOISE_FACTOR`` times it instead.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import torch
 RTOL = {torch.float32: 1e-5}
 # Per-token KL(ref || out) of the log-softmax, half precision.
 KL_TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3}
+# float32: a row may differ from the oracle by this many times the oracle's own spread.
+NOISE_FACTOR = 4
 
 
 def peft_model_with(model: torch.nn.Module, adapters: Mapping[str, Any]) -> Any:
@@ -54,18 +63,27 @@ def _rows(inputs: Mapping[str, Any], index: list[int]) -> dict[str, Any]:
 
 @torch.no_grad()
 def reference_logits(
-    model: torch.nn.Module, peft_model: Any, adapter_names: Sequence[str | None], **inputs: Any
+    model: torch.nn.Module,
+    peft_model: Any,
+    adapter_names: Sequence[str | None],
+    *,
+    whole_batch: bool = False,
+    **inputs: Any,
 ) -> torch.Tensor:
-    """Logits of every row from PEFT with the row's adapter, or from ``model`` for ``None``."""
+    """Logits of every row from PEFT with the row's adapter, or from ``model`` for ``None``:
+    run on the sub-batch of rows sharing it, or with ``whole_batch`` on all rows (keeping
+    those rows), which changes nothing but float rounding."""
     out = None
     for name in dict.fromkeys(adapter_names):
         index = [i for i, n in enumerate(adapter_names) if n == name]
-        rows = _rows(inputs, index)
+        rows = inputs if whole_batch else _rows(inputs, index)
         if name is None:
             logits = model(**rows).logits
         else:
             peft_model.set_adapter(name)
             logits = peft_model(**rows).logits
+        if whole_batch:
+            logits = logits[index]
         if out is None:
             out = logits.new_empty((len(adapter_names), *logits.shape[1:]))
         out[index] = logits
@@ -150,11 +168,16 @@ def assert_matches_peft(
         out = compiled(adapter_names=list(adapter_names), **inputs).logits
     ref = reference_logits(model, peft_model, adapter_names, **inputs)
     tol = tolerance if tolerance is not None else {**RTOL, **KL_TOL}[ref.dtype]
-    errors = row_errors(out, ref, inputs.get("attention_mask"))
-    bad = [(i, adapter_names[i], e) for i, e in enumerate(errors) if not e <= tol]
+    mask = inputs.get("attention_mask")
+    errors = row_errors(out, ref, mask)
+    tols = [tol] * len(errors)
+    if ref.dtype == torch.float32 and any(not e <= tol for e in errors):
+        whole = reference_logits(model, peft_model, adapter_names, whole_batch=True, **inputs)
+        tols = [max(tol, NOISE_FACTOR * spread) for spread in row_errors(whole, ref, mask)]
+    bad = [(i, adapter_names[i], e, t) for i, (e, t) in enumerate(zip(errors, tols, strict=True)) if not e <= t]
     if bad:
-        detail = ", ".join(f"row {i} ({n!r}): {e:.3g}" for i, n, e in bad)
-        raise AssertionError(f"fxlora differs from the PEFT oracle beyond {tol:g} ({ref.dtype}): {detail}")
+        detail = ", ".join(f"row {i} ({n!r}): {e:.3g} (allowed {t:.3g})" for i, n, e, t in bad)
+        raise AssertionError(f"fxlora differs from the PEFT oracle ({ref.dtype}): {detail}")
     return out
 
 

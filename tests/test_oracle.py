@@ -1,0 +1,44 @@
+"""The PEFT oracle itself: it passes fxlora on a mixed batch, fails it when the served adapter
+is not the one the oracle holds (another adapter, or one module's factor off by 1%), and its
+allowance for float32 batch-composition noise stays small."""
+
+import pytest
+import torch
+from peft import LoraConfig
+
+import fxlora
+from fxlora.testing import assert_matches_peft, make_adapter, tiny_model
+
+TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj", "lm_head"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=3)
+
+
+def batch(seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 96, (3, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding: rows of different lengths
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def perturbed(adapter, module: str, factor: float):
+    config, state = adapter
+    return config, {k: v * factor if f"{module}.lora_B" in k else v for k, v in state.items()}
+
+
+@pytest.mark.parametrize("r, alpha", [(8, 16), (1, 64)])  # ordinary, and badly conditioned
+def test_oracle_passes_fxlora_and_fails_a_wrong_adapter(model, r, alpha):
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS)
+    served = make_adapter(model, config, seed=1, directory="")
+    cm = fxlora.compile(model, adapters={"a": served}, max_rank=8)
+    names = ["a", None, "a"]
+    inputs = batch(r)
+    assert_matches_peft(cm, model, {"a": served}, names, **inputs)
+    other = make_adapter(model, config, seed=2, directory="")
+    for wrong in (other, perturbed(served, "lm_head", 1.01), perturbed(served, "v_proj", 1.01)):
+        with pytest.raises(AssertionError, match="differs from the PEFT oracle"):
+            assert_matches_peft(cm, model, {"a": wrong}, names, **inputs)
