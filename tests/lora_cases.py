@@ -1,9 +1,12 @@
-"""Shared by the LoRA kernel tests: pool factors in the kernels' multi-slice layout, the
-reference delta, and hypothesis draws of slot assignments."""
+"""Shared by the LoRA kernel tests: a hypothesis draw of one multi-slice case (pool factors in
+the kernels' layout, inputs, batch info, slot assignments) and its reference result."""
+
+from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 
+from fxlora.kernels import batch_info
 from fxlora.kernels.lora_linear import lora_delta_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,3 +49,50 @@ def draw_assignment(data, tokens: int, slots: int) -> list[int]:
     if mode == "one":
         return [data.draw(st.integers(0, slots - 1))] * tokens
     return data.draw(st.lists(st.integers(-1, slots - 1), min_size=tokens, max_size=tokens))
+
+
+@dataclass
+class Case:
+    """Kernel operands on ``DEVICE``; ``y_host`` (the output before the delta) and ``expected``
+    on the host."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: torch.Tensor
+    rank: torch.Tensor
+    token_slot: torch.Tensor
+    sorted_tokens: torch.Tensor
+    seg_start: torch.Tensor
+    seg_len: torch.Tensor
+    widths: tuple[int, ...]
+    dtype: torch.dtype
+    y_host: torch.Tensor
+    expected: torch.Tensor
+
+    def check(self) -> None:
+        """``y`` holds the reference result; rows without an adapter are untouched."""
+        torch.testing.assert_close(self.y.cpu().float(), self.expected.float(), **TOL[self.dtype])
+        untouched = (self.token_slot.cpu() < 0).tolist()
+        assert torch.equal(self.y.cpu()[untouched], self.y_host[untouched])
+
+
+def draw_case(data) -> Case:
+    """Token counts 1..67, widths and inputs that are not multiples of the block sizes, ranks
+    up to 64 (some slots at 0), 1 to 3 slices, float32 / float16 (and bfloat16 on CUDA)."""
+    tokens, d_in = data.draw(st.integers(1, 67), label="tokens"), data.draw(st.integers(1, 80), label="d_in")
+    widths = tuple(data.draw(st.lists(st.integers(1, 70), min_size=1, max_size=3), label="widths"))
+    max_rank, slots = data.draw(st.integers(1, 64), label="max_rank"), data.draw(st.integers(1, 4), label="slots")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    slices = len(widths)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    ranks = data.draw(st.lists(st.integers(0, max_rank), min_size=slots * slices, max_size=slots * slices))
+    assignment = draw_assignment(data, tokens, slots)
+    a, b, scaling, rank = pool_factors(gen, slots, slices, max_rank, d_in, widths, ranks, dtype)
+    x = torch.randn(tokens, d_in, generator=gen).to(dtype)
+    y = torch.randn(tokens, sum(widths), generator=gen).to(dtype)
+    meta = batch_info(torch.tensor(assignment, dtype=torch.int32), x, 1, slots)
+    expected = reference(y, x, a, b, scaling, rank, meta[0], widths, max_rank)
+    on = [t.to(DEVICE) for t in (x, y.clone(), a, b, scaling, rank, *meta)]
+    return Case(*on, widths=widths, dtype=dtype, y_host=y, expected=expected)

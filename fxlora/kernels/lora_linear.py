@@ -99,12 +99,14 @@ def lora_linear_triton(
         expand = lambda y, v: sgmv.lora_expand(  # noqa: E731
             y, v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len, slice_widths
         )
-    if overlap:
+    if overlap:  # the GEMM is issued first, the shrink forked from the point before it
         main, side = torch.cuda.current_stream(), _side_stream(x.device)
-        side.wait_stream(main)
+        inputs_ready = torch.cuda.Event()
+        inputs_ready.record(main)
+        y = F.linear(x, weight, bias)
+        side.wait_event(inputs_ready)
         with torch.cuda.stream(side):
             v = shrink()
-        y = F.linear(x, weight, bias)
         main.wait_stream(side)
         v.record_stream(main)
     else:

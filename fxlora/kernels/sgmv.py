@@ -6,7 +6,8 @@ slot's factors, as Punica's SGMV does:
 
 - shrink: ``v[t, :] = x[t] @ A[s].T`` for the tokens ``t`` of slot ``s``, float32; the
   reduction over ``x``'s features is split across programs that add into a zeroed ``v``;
-- expand: ``y[t, cols] += scaling[s] * v[t] @ B[s, cols].T``, in place.
+- expand: ``y[t, cols] += scaling[s] * v[t] @ B[s, cols].T``, in place, each program
+  looping over a few column tiles with pipelined loads.
 
 Several output slices of unequal width may share one input (fused ``qkv_proj``,
 ``gate_up_proj``, MLA's ``q_a_proj`` + ``kv_a_proj_with_mqa``): ``A`` then stacks each
@@ -16,6 +17,10 @@ one value per (slot, slice).
 With ``seg_slot`` the segments are a compact list instead — at most one per token, segment
 ``i`` reading adapter ``seg_slot[i]`` — for pools with many more adapters than tokens (the
 MoE path reads its pool as ``slots · experts`` adapters).
+
+On Hopper and later the expand is launched as a programmatic dependent (PDL) of the kernel
+before it, so its launch overlaps that kernel's tail; it waits for it (``gdc_wait``) before
+reading anything.
 
 Graph safety: the grids are sized for the worst case — ``cdiv(T, BLOCK_M) + num_segments``
 segment blocks — and a program with nothing to do (past its segment, a rank-0 slot)
@@ -167,7 +172,7 @@ class ExpandConfig:
     stages: int = 2
 
 
-# Chosen per shape class from benchmarks/sgmv_tune.py on an H100 (bf16, K = N = 4096, and
+# Chosen per shape class from benchmarks/lora_tune.py on an H100 (bf16, K = N = 4096, and
 # the fused qkv shape): small token counts split the shrink's reduction widely so that enough
 # programs run; long runs of tokens read x once for all rank rows (several slices' worth) and
 # stream the expand's column tiles through each program.
