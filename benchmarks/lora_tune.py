@@ -92,7 +92,7 @@ def sgmv_case(tokens, k, widths, rank, adapters) -> None:
     expand = [
         (cfg, lambda cfg=cfg: sgmv.lora_expand(y, v, b, scaling, ranks, order, start, length, widths, config=cfg))
         for bm, bn, (tiles, stages), warps in itertools.product(
-            (16, 32, 64), (64, 128, 256), ((1, 2), (4, 2), (4, 3), (16, 2)), (4, 8)
+            (16, 32, 64, 128), (64, 128, 256), ((1, 2), (4, 2), (4, 3), (8, 2), (16, 2)), (4, 8)
         )
         if bm <= max(16, tokens)
         for cfg in [sgmv.ExpandConfig(bm, bn, warps, tiles, stages)]

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from fxlora.kernels.sgmv import pdl_supported, slice_starts
+from fxlora.kernels.sgmv import pdl_options, slice_starts
 
 
 @triton.jit
@@ -99,11 +99,10 @@ def lora_expand(
     cfg = config or expand_config(tokens)
     lora_b = lora_b.contiguous()
     assert y.stride(1) == 1, "the output must be contiguous along its features"
-    pdl = pdl_supported(y.device)
     grid = (tokens, triton.cdiv(max(widths), cfg.block_n), len(widths))
     _expand_kernel[grid](
         y, v, lora_b, scaling, rank, slice_starts(tuple(widths), y.device), token_slot,
         y.stride(0), v.stride(0), lora_b.stride(0), lora_b.stride(1),
         MAX_RANK=max_rank, NUM_SLICES=len(widths), BLOCK_N=cfg.block_n, BLOCK_R=triton.next_power_of_2(max_rank),
-        PDL=pdl, num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}),
+        num_warps=cfg.num_warps, **pdl_options(y.device),
     )

@@ -187,13 +187,17 @@ def shrink_config(tokens: int, k: int, ranks: int) -> ShrinkConfig:
 def expand_config(tokens: int, rank: int) -> ExpandConfig:
     if tokens <= 512:
         return ExpandConfig(16, 256 if rank > 32 else 128, 4)
-    return ExpandConfig(64 if rank > 32 else 32, 64, 4, tiles=4, stages=2)
+    if rank > 32:  # 128-row blocks read each B tile half as often
+        return ExpandConfig(128, 64, 8, tiles=4, stages=2)
+    return ExpandConfig(32, 64, 4, tiles=4, stages=2)
 
 
 @cache
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: Hopper (sm_90) and later, not in the interpreter."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+def pdl_options(device: torch.device) -> dict:
+    """The ``PDL`` constexpr and launch option of the expand kernels: programmatic dependent
+    launch on Hopper (sm_90) and later, not in the interpreter."""
+    on = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @cache
@@ -267,7 +271,6 @@ def lora_expand(
     cfg = config or expand_config(tokens, max_rank)
     lora_b = lora_b.contiguous()
     assert y.stride(1) == 1, "the output must be contiguous along its features"
-    pdl = pdl_supported(y.device)
     grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(max(widths), cfg.block_n * cfg.tiles), len(widths))
     _expand_kernel[grid](
         y, v, lora_b, scaling, rank, slice_starts(tuple(widths), y.device),
@@ -276,6 +279,6 @@ def lora_expand(
         y.stride(0), v.stride(0), lora_b.stride(0), lora_b.stride(1),
         MAX_RANK=max_rank, NUM_SLICES=len(widths), SLOTS_P2=_p2(slots, 2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_p2(max_rank), TILES=cfg.tiles, STAGES=cfg.stages,
-        IEEE=y.dtype == torch.float32, INDIRECT=seg_slot is not None, PDL=pdl,
-        num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}),
+        IEEE=y.dtype == torch.float32, INDIRECT=seg_slot is not None, num_warps=cfg.num_warps,
+        **pdl_options(y.device),
     )
