@@ -184,12 +184,14 @@ def shrink_config(tokens: int, k: int, ranks: int) -> ShrinkConfig:
     return ShrinkConfig(64, 64, max(1, min(8, k // 64)), 4)
 
 
-def expand_config(tokens: int, rank: int) -> ExpandConfig:
+def expand_config(tokens: int, rank: int, slots: int = 1) -> ExpandConfig:
     if tokens <= 512:
         return ExpandConfig(16, 256 if rank > 32 else 128, 4)
-    if rank > 32:  # 128-row blocks read each B tile half as often
+    if rank <= 32:
+        return ExpandConfig(32, 64, 4, tiles=4, stages=2)
+    if tokens >= 128 * slots:  # long segments: 128-row blocks read each B tile half as often
         return ExpandConfig(128, 64, 8, tiles=4, stages=2)
-    return ExpandConfig(32, 64, 4, tiles=4, stages=2)
+    return ExpandConfig(64, 64, 4, tiles=4, stages=2)
 
 
 @cache
@@ -268,7 +270,7 @@ def lora_expand(
     _, _, max_rank = lora_b.shape
     slots = seg_len.numel()
     widths = slice_widths or (n,)
-    cfg = config or expand_config(tokens, max_rank)
+    cfg = config or expand_config(tokens, max_rank, slots)
     lora_b = lora_b.contiguous()
     assert y.stride(1) == 1, "the output must be contiguous along its features"
     grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(max(widths), cfg.block_n * cfg.tiles), len(widths))
