@@ -133,12 +133,13 @@ def _op_parts(tokens, adapters, rank):
     ws = torch.empty(tokens, rank, device="cuda")
     side = torch.cuda.Stream()
 
-    def op(shrink, expand):
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
+    def op(shrink, expand):  # the stream order of lora_linear_triton
+        main, inputs_ready = torch.cuda.current_stream(), torch.cuda.Event()
+        inputs_ready.record(main)
+        y = torch.nn.functional.linear(x, w)
+        side.wait_event(inputs_ready)
         with torch.cuda.stream(side):
             shrink()
-        y = torch.nn.functional.linear(x, w)
         main.wait_stream(side)
         expand(y)
 
