@@ -14,6 +14,7 @@ from fxlora.testing.models import (
 )
 from fxlora.testing.oracle import (
     KL_TOL,
+    NOISE_FACTOR,
     RTOL,
     assert_matches_peft,
     merged_logits,
@@ -39,6 +40,7 @@ __all__ = [
     "FAMILIES",
     "MOE_FAMILIES",
     "KL_TOL",
+    "NOISE_FACTOR",
     "RTOL",
     "Batch",
     "adapter_sets",
