@@ -1,13 +1,17 @@
-"""The PEFT oracle itself: it passes fxlora on a mixed batch, fails it when the served adapter
-is not the one the oracle holds (another adapter, or one module's factor off by 1%), and its
-allowance for float32 batch-composition noise stays small."""
+"""The oracles themselves (PEFT, and the merged weights through ``check_rows``): they pass
+fxlora on a mixed batch, fail it when the served adapter is not the one the oracle holds
+(another adapter, or one module's factor off by 1%), and their allowance for float32
+batch-composition noise stays small."""
+
+import copy
+import functools
 
 import pytest
 import torch
 from peft import LoraConfig
 
 import fxlora
-from fxlora.testing import assert_matches_peft, make_adapter, tiny_model
+from fxlora.testing import assert_matches_peft, check_rows, make_adapter, merged_logits, oracle_noise, tiny_model
 
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj", "lm_head"]
 
@@ -39,6 +43,17 @@ def test_oracle_passes_fxlora_and_fails_a_wrong_adapter(model, r, alpha):
     inputs = batch(r)
     assert_matches_peft(cm, model, {"a": served}, names, **inputs)
     other = make_adapter(model, config, seed=2, directory="")
+    out = cm(adapter_names=names, **inputs).logits
+
+    def against_merged(adapter):
+        merged = functools.partial(merged_logits, model, {"a": adapter})
+        exact = functools.partial(merged_logits, copy.deepcopy(model).double(), {"a": adapter})
+        noise = lambda: oracle_noise(merged, exact, names, **inputs)  # noqa: E731
+        check_rows(out, merged(names, **inputs), names, inputs["attention_mask"], noise=noise, oracle="the merged oracle")
+
+    against_merged(served)
     for wrong in (other, perturbed(served, "lm_head", 1.01), perturbed(served, "v_proj", 1.01)):
         with pytest.raises(AssertionError, match="differs from the PEFT oracle"):
             assert_matches_peft(cm, model, {"a": wrong}, names, **inputs)
+        with pytest.raises(AssertionError, match="differs from the merged oracle"):
+            against_merged(wrong)
