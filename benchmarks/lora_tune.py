@@ -55,12 +55,13 @@ def case(tokens, k, widths, rank, adapters):
     return x, y, a, b, scaling, ranks, meta, v
 
 
-def best(label, runs) -> None:
+def best(label, runs, per: int = 1) -> None:
+    """``per``: calls of the op inside each timed function (times are divided by it)."""
     times = []
     for cfg, fn in runs:
         try:
             fn()
-            times.append((us(fn), cfg))
+            times.append((us(fn) / per, cfg))
         except Exception as e:  # out of resources for this config
             print("  skip", cfg, type(e).__name__)
     times.sort(key=lambda p: p[0])
@@ -120,20 +121,24 @@ def switch() -> None:
 
 
 def in_context() -> None:
-    """Shrink launch parameters timed inside the whole op, where the shrink shares the GPU
-    with the base GEMM (the isolated best may crowd the GEMM's SMs)."""
-    for tokens, adapters in itertools.product((1, 8, 32, 64), (1, 4, 16)):
-        if adapters <= tokens:
-            in_context_case(tokens, adapters, 16)
+    """Shrink launch parameters timed inside the whole op, where the shrink shares SMs with the
+    base GEMM (the isolated best crowds the GEMM's SMs), with the weights read from HBM as in
+    a model: the op runs over copies of its operands that together overflow L2."""
+    for tokens, rank, adapters, widths in [
+        (1, 16, 1, (4096,)), (8, 16, 4, (4096,)), (8, 16, 8, (4096,)), (32, 16, 1, (4096,)),
+        (32, 16, 4, (4096,)), (32, 16, 16, (4096,)), (64, 16, 16, (4096,)), (32, 64, 4, (4096,)),
+        (32, 64, 16, (4096,)), (32, 16, 16, (4096, 1024, 1024)), (64, 16, 16, (4096, 1024, 1024)),
+    ]:
+        in_context_case(tokens, rank, adapters, widths)
 
 
-def _op_parts(tokens, adapters, rank):
-    x, _, a, b, scaling, ranks, (slot, order, start, length), _ = case(tokens, 4096, (4096,), rank, adapters)
-    w = torch.randn(4096, 4096, device="cuda").bfloat16()
-    ws = torch.empty(tokens, rank, device="cuda")
+def _op_parts(tokens, adapters, rank, widths=(4096,)):
+    x, _, a, b, scaling, ranks, (slot, order, start, length), _ = case(tokens, 4096, widths, rank, adapters)
+    w = torch.randn(sum(widths), 4096, device="cuda").bfloat16()
+    ws = torch.empty(tokens, len(widths) * rank, device="cuda")
     side = torch.cuda.Stream()
 
-    def op(shrink, expand):  # the stream order of lora_linear_triton
+    def op(shrink, expand, x=x, w=w):  # the stream order of lora_linear_triton
         main, inputs_ready = torch.cuda.current_stream(), torch.cuda.Event()
         inputs_ready.record(main)
         y = torch.nn.functional.linear(x, w)
@@ -146,17 +151,37 @@ def _op_parts(tokens, adapters, rank):
     return x, w, a, b, scaling, ranks, (slot, order, start, length), ws, op
 
 
-def in_context_case(tokens, adapters, rank) -> None:
-    x, w, a, b, scaling, ranks, (slot, order, start, length), ws, op = _op_parts(tokens, adapters, rank)
-    expand = lambda y: sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length)  # noqa: E731
+def in_context_case(tokens, rank, adapters, widths) -> None:
+    x, w, a, b, scaling, ranks, (slot, order, start, length), ws, op = _op_parts(tokens, adapters, rank, widths)
+    slices = len(widths)
+    copies = [(x.clone(), w.clone(), a.clone()) for _ in range(-(-(200 << 20) // w.nbytes))]
+    sliced = widths if slices > 1 else None
+    if tokens <= bgmv.MAX_TOKENS:
+        expand = lambda y: bgmv.lora_expand(y, ws, b, scaling, ranks, slot, sliced)  # noqa: E731
+    else:
+        expand = lambda y: sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length, sliced)  # noqa: E731
+
+    def cold(cfg):
+        def run():
+            for cx, cw, ca in copies:
+                shrink = lambda: sgmv.lora_shrink(cx, ca, ranks, order, start, length, slices, cfg, out=ws)  # noqa: E731,B023
+                op(shrink, expand, cx, cw)
+
+        return run
+
     runs = [
-        (cfg, lambda cfg=cfg: op(lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, out=ws, config=cfg), expand))
-        for split, bk, warps in itertools.product((1, 2, 4, 8, 16), (64, 128, 256), (2, 4))
+        (cfg, cold(cfg))
+        for split, bk, warps, stages in itertools.product((2, 4, 8, 16), (128, 256), (1, 2, 4), (1, 2, 3))
         if split * bk <= 4096
-        for cfg in [sgmv.ShrinkConfig(16, bk, split, warps)]
+        for cfg in [sgmv.ShrinkConfig(16, bk, split, warps, num_stages=stages)]
     ]
-    print(f"T={tokens} adapters={adapters} r={rank} base {us(lambda: torch.nn.functional.linear(x, w)):.1f}")
-    best("shrink in context", runs)
+    base = us(lambda: [torch.nn.functional.linear(cx, cw) for cx, cw, _ in copies]) / len(copies)
+    table = sgmv.shrink_config(tokens, 4096, slices * rank)
+    print(
+        f"T={tokens} r={rank} adapters={adapters} widths={widths} base {base:.1f}us (per op, weights from HBM), "
+        f"table's choice {us(cold(table)) / len(copies):.1f}us {table}"
+    )
+    best("shrink in context", runs, per=len(copies))
 
 
 def switch_case(tokens, adapters, rank) -> None:

@@ -15,7 +15,13 @@ sgmv = pytest.importorskip("fxlora.kernels.sgmv")
 def test_shrink_expand_match_reference(data):
     c = draw_case(data)
     blocks = st.sampled_from([16, 32])
-    shrink = data.draw(st.none() | st.builds(sgmv.ShrinkConfig, blocks, blocks, st.integers(1, 3), st.just(4)), label="shrink")
+    shrink = data.draw(
+        st.none()
+        | st.builds(
+            sgmv.ShrinkConfig, blocks, blocks, st.integers(1, 3), st.sampled_from([1, 2, 4]), num_stages=st.integers(1, 3)
+        ),
+        label="shrink",
+    )
     expand = data.draw(
         st.none() | st.builds(sgmv.ExpandConfig, blocks, blocks, st.just(4), st.integers(1, 3), st.integers(1, 2)),
         label="expand",

@@ -161,6 +161,7 @@ class ShrinkConfig:
     split_k: int
     num_warps: int
     block_r: int = 64  # at most this many rank rows per program
+    num_stages: int = 3  # software-pipelining depth of the loop over the features
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,14 @@ class ExpandConfig:
 # programs run; long runs of tokens read x once for all rank rows (several slices' worth) and
 # stream the expand's column tiles through each program.
 def shrink_config(tokens: int, k: int, ranks: int) -> ShrinkConfig:
-    if tokens <= 512:  # chosen inside the whole op, where the shrink shares SMs with the GEMM
+    # Up to 512 tokens, chosen inside the whole op: the shrink runs beside the GEMM, which holds
+    # nearly every SM, so at decode with few rank rows small programs (1-2 warps, shallow
+    # pipelines: little shared memory) win, many of them: they fit beside the GEMM's blocks.
+    if tokens <= 8 and ranks <= 32:
+        return ShrinkConfig(16, 256, max(1, min(16, k // 256)), 2, num_stages=1)
+    if tokens <= 64 and ranks <= 32:
+        return ShrinkConfig(16, 128, max(1, min(16, k // 128)), 1, num_stages=2)
+    if tokens <= 512:
         return ShrinkConfig(16, 128, max(1, min(8, k // 128)), 2)
     if ranks > 64:
         return ShrinkConfig(64, 64, max(1, min(4, k // 64)), 8, block_r=256)
@@ -248,7 +256,8 @@ def lora_shrink(
         x.stride(0), lora_a.stride(0), lora_a.stride(1), v.stride(0),
         MAX_RANK=ranks // num_slices, NUM_SLICES=num_slices, SLOTS_P2=_p2(slots, 2),
         BLOCK_M=cfg.block_m, BLOCK_R=block_r, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        IEEE=x.dtype == torch.float32, INDIRECT=seg_slot is not None, num_warps=cfg.num_warps,
+        IEEE=x.dtype == torch.float32, INDIRECT=seg_slot is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return v
 
