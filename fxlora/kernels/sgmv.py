@@ -7,7 +7,9 @@ slot's factors, as Punica's SGMV does:
 - shrink: ``v[t, :] = x[t] @ A[s].T`` for the tokens ``t`` of slot ``s``, float32; the
   reduction over ``x``'s features is split across programs that add into a zeroed ``v``;
 - expand: ``y[t, cols] += scaling[s] * v[t] @ B[s, cols].T``, in place, each program
-  looping over a few column tiles with pipelined loads.
+  looping over a few column tiles with pipelined loads; programs take the row blocks from
+  the last one back, so the rows of ``y`` that the GEMM wrote last, which are still in L2,
+  are read first.
 
 Several output slices of unequal width may share one input (fused ``qkv_proj``,
 ``gate_up_proj``, MLA's ``q_a_proj`` + ``kv_a_proj_with_mqa``): ``A`` then stacks each
@@ -113,7 +115,9 @@ def _expand_kernel(
 ):
     if PDL:  # launched before the kernel ahead finishes: wait for it before reading anything
         gdc_wait()
-    seg, block, length = _segment_block(tl.program_id(0), seg_len_ptr, num_slots, SLOTS_P2, BLOCK_M)
+    # row blocks from the last: the rows of y the GEMM wrote last are the likeliest still in L2
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    seg, block, length = _segment_block(pid, seg_len_ptr, num_slots, SLOTS_P2, BLOCK_M)
     if seg >= num_slots:
         return
     if INDIRECT:  # a compact segment list: the adapter whose factors this segment reads
