@@ -121,13 +121,15 @@ def switch() -> None:
 
 
 def in_context() -> None:
-    """Shrink launch parameters timed inside the whole op, where the shrink shares SMs with the
-    base GEMM (the isolated best crowds the GEMM's SMs), with the weights read from HBM as in
-    a model: the op runs over copies of its operands that together overflow L2."""
+    """Shrink launch parameters (split, step, warps, stages, rank rows per program) timed inside
+    the whole op, where the shrink shares SMs with the base GEMM (the isolated best crowds the
+    GEMM's SMs), with the weights read from HBM as in a model: the op runs over copies of its
+    operands that together overflow L2."""
     for tokens, rank, adapters, widths in [
-        (1, 16, 1, (4096,)), (8, 16, 4, (4096,)), (8, 16, 8, (4096,)), (32, 16, 1, (4096,)),
+        (1, 16, 1, (4096,)), (8, 16, 4, (4096,)), (8, 16, 8, (4096,)), (8, 64, 4, (4096,)), (32, 16, 1, (4096,)),
         (32, 16, 4, (4096,)), (32, 16, 16, (4096,)), (64, 16, 16, (4096,)), (32, 64, 4, (4096,)),
-        (32, 64, 16, (4096,)), (32, 16, 16, (4096, 1024, 1024)), (64, 16, 16, (4096, 1024, 1024)),
+        (32, 64, 16, (4096,)), (64, 64, 4, (4096,)), (32, 16, 16, (4096, 1024, 1024)),
+        (64, 16, 4, (4096, 1024, 1024)), (64, 16, 16, (4096, 1024, 1024)),
     ]:
         in_context_case(tokens, rank, adapters, widths)
 
@@ -171,9 +173,9 @@ def in_context_case(tokens, rank, adapters, widths) -> None:
 
     runs = [
         (cfg, cold(cfg))
-        for split, bk, warps, stages in itertools.product((2, 4, 8, 16), (128, 256), (1, 2, 4), (1, 2, 3))
-        if split * bk <= 4096
-        for cfg in [sgmv.ShrinkConfig(16, bk, split, warps, num_stages=stages)]
+        for split, bk, warps, stages, br in itertools.product((2, 4, 8, 16), (128, 256), (1, 2, 4), (1, 2, 3), (16, 32, 64))
+        if split * bk <= 4096 and br <= max(16, triton.next_power_of_2(slices * rank))  # rank rows per program
+        for cfg in [sgmv.ShrinkConfig(16, bk, split, warps, block_r=br, num_stages=stages)]
     ]
     base = us(lambda: [torch.nn.functional.linear(cx, cw) for cx, cw, _ in copies]) / len(copies)
     table = sgmv.shrink_config(tokens, 4096, slices * rank)

@@ -183,12 +183,13 @@ class ExpandConfig:
 # stream the expand's column tiles through each program.
 def shrink_config(tokens: int, k: int, ranks: int) -> ShrinkConfig:
     # Up to 512 tokens, chosen inside the whole op: the shrink runs beside the GEMM, which holds
-    # nearly every SM, so at decode with few rank rows small programs (1-2 warps, shallow
-    # pipelines: little shared memory) win, many of them: they fit beside the GEMM's blocks.
-    if tokens <= 8 and ranks <= 32:
-        return ShrinkConfig(16, 256, max(1, min(16, k // 256)), 2, num_stages=1)
-    if tokens <= 64 and ranks <= 32:
-        return ShrinkConfig(16, 128, max(1, min(16, k // 128)), 1, num_stages=2)
+    # nearly every SM, so at decode small programs (1-2 warps, shallow pipelines, at most 32
+    # rank rows: little shared memory) win, many of them: they fit beside the GEMM's blocks.
+    # More rank rows (rank 64, several slices) take more programs, not bigger ones.
+    if tokens <= 8:
+        return ShrinkConfig(16, 256, max(1, min(16, k // 256)), 2, block_r=32, num_stages=1)
+    if tokens <= 64:
+        return ShrinkConfig(16, 128, max(1, min(16, k // 128)), 1, block_r=32, num_stages=2)
     if tokens <= 512:
         return ShrinkConfig(16, 128, max(1, min(8, k // 128)), 2)
     if ranks > 64:
