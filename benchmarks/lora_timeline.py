@@ -5,21 +5,41 @@ whole op as a graph replay runs them (``torch.profiler``), with their start and 
 
 The parts: the base GEMM, zeroing the shrink's workspace, the shrink, the expand (the per-token
 one up to ``bgmv.MAX_TOKENS`` tokens, as ``lora_linear`` picks), and the op with the shrink
-beside the GEMM (``overlap``) or after it (``serial``). bf16, K = 4096; weights stay in L2
-(the loop reads one layer), so the GEMM is faster than in a model.
+beside the GEMM (``overlap``) or after it (``serial``). Then what a kernel adds right after
+the GEMM: an empty one, one that only reads and writes back ``y`` (the floor of any update
+of ``y`` in place), and the expand. bf16, K = 4096; weights stay in L2 (the loop reads one
+layer), so the GEMM is faster than in a model.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
 from fxlora.kernels import batch_info, bgmv, sgmv
 from fxlora.kernels.lora_linear import lora_linear_triton
+
+
+@triton.jit
+def _empty_kernel(y_ptr):
+    pass
+
+
+@triton.jit
+def _in_place_kernel(y_ptr, rows, cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Reads one tile of ``y`` and writes it back, as an in-place update does, with no work."""
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    p = y_ptr + r[:, None] * cols + c[None, :]
+    tl.store(p, tl.load(p, mask=mask), mask=mask)
 
 
 def graph_us(fn) -> float:
@@ -52,7 +72,7 @@ def main() -> None:
     def op(overlap=True):
         return lora_linear_triton(x, w, None, a, b, scaling, ranks, *meta, ws, overlap=overlap, slice_widths=sliced)
 
-    def expand():
+    def expand(y=y):
         if tokens <= bgmv.MAX_TOKENS:
             bgmv.lora_expand(y, ws, b, scaling, ranks, token_slot, sliced)
         else:
@@ -69,6 +89,19 @@ def main() -> None:
     print(
         f"tokens={tokens} rank={rank} adapters={adapters} widths={widths}, graph us: "
         + "  ".join(f"{name} {graph_us(fn):.1f}" for name, fn in parts.items())
+    )
+    tiles = (triton.cdiv(tokens, 16), triton.cdiv(y.shape[1], 128))
+    after = {
+        "nothing": lambda y: None,
+        "empty kernel": lambda y: _empty_kernel[tiles](y),
+        "y read and written back": lambda y: _in_place_kernel[tiles](y, *y.shape, BLOCK_M=16, BLOCK_N=128),
+        "expand": expand,
+    }
+    rounds = [{name: graph_us(lambda k=k: k(F.linear(x, w))) for name, k in after.items()} for _ in range(3)]
+    gemm_then = {name: statistics.median(r[name] for r in rounds) for name in after}  # alternating: the GEMM drifts
+    print(
+        "added right after the GEMM, graph us: "
+        + "  ".join(f"{name} {t - gemm_then['nothing']:+.2f}" for name, t in gemm_then.items() if name != "nothing")
     )
 
     # warm up on a side stream, as graph capture wants, then capture a few calls
