@@ -182,7 +182,7 @@ class ExpandConfig:
 # programs run; long runs of tokens read x once for all rank rows (several slices' worth) and
 # stream the expand's column tiles through each program.
 def shrink_config(tokens: int, k: int, ranks: int) -> ShrinkConfig:
-    # Up to 512 tokens, chosen inside the whole op: the shrink runs beside the GEMM, which holds
+    # Up to 64 tokens, chosen inside the whole op: the shrink runs beside the GEMM, which holds
     # nearly every SM, so at decode small programs (1-2 warps, shallow pipelines, at most 32
     # rank rows: little shared memory) win, many of them: they fit beside the GEMM's blocks.
     # More rank rows (rank 64, several slices) take more programs, not bigger ones.
