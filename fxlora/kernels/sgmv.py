@@ -42,17 +42,23 @@ from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
-def _segment_block(pid, seg_len, num_slots, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Which slot's tokens, and which block of them, program ``pid`` handles; ``slot ==
-    num_slots`` when there is none."""
+def _segment_block(
+    pid, seg_len, seg_slot, num_slots, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, INDIRECT: tl.constexpr
+):
+    """Which segment's tokens, which block of them, and which adapter's factors program ``pid``
+    handles: ``(seg, slot, block, length)``, ``seg == num_slots`` when there is none."""
     offs = tl.arange(0, SLOTS_P2)
     lens = tl.load(seg_len + offs, mask=offs < num_slots, other=0)
     blocks = (lens + BLOCK_M - 1) // BLOCK_M
     ends = tl.cumsum(blocks, 0)
-    slot = tl.sum((ends <= pid).to(tl.int32), 0)
-    first = tl.sum(tl.where(offs == slot, ends - blocks, 0), 0)
-    length = tl.sum(tl.where(offs == slot, lens, 0), 0)
-    return slot, pid - first, length
+    seg = tl.sum((ends <= pid).to(tl.int32), 0)
+    first = tl.sum(tl.where(offs == seg, ends - blocks, 0), 0)
+    length = tl.sum(tl.where(offs == seg, lens, 0), 0)
+    if INDIRECT:  # a compact segment list: each segment names the adapter it reads
+        slot = tl.load(seg_slot + seg, mask=seg < num_slots, other=0)
+    else:
+        slot = seg
+    return seg, slot, pid - first, length
 
 
 @triton.jit
@@ -65,13 +71,9 @@ def _shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, INDIRECT: tl.constexpr,
 ):
-    seg, block, length = _segment_block(tl.program_id(0), seg_len_ptr, num_slots, SLOTS_P2, BLOCK_M)
+    seg, slot, block, length = _segment_block(tl.program_id(0), seg_len_ptr, seg_slot_ptr, num_slots, SLOTS_P2, BLOCK_M, INDIRECT)
     if seg >= num_slots:
         return
-    if INDIRECT:  # a compact segment list: the adapter whose factors this segment reads
-        slot = tl.load(seg_slot_ptr + seg)
-    else:
-        slot = seg
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < length
     start = tl.load(seg_start_ptr + seg)
@@ -117,13 +119,9 @@ def _expand_kernel(
         gdc_wait()
     # row blocks from the last: the rows of y the GEMM wrote last are the likeliest still in L2
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    seg, block, length = _segment_block(pid, seg_len_ptr, num_slots, SLOTS_P2, BLOCK_M)
+    seg, slot, block, length = _segment_block(pid, seg_len_ptr, seg_slot_ptr, num_slots, SLOTS_P2, BLOCK_M, INDIRECT)
     if seg >= num_slots:
         return
-    if INDIRECT:  # a compact segment list: the adapter whose factors this segment reads
-        slot = tl.load(seg_slot_ptr + seg)
-    else:
-        slot = seg
     sl = tl.program_id(2)
     rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
     col0 = tl.load(slice_start_ptr + sl)
