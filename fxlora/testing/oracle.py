@@ -75,15 +75,25 @@ def reference_logits(
     """Logits of every row from PEFT with the row's adapter, or from ``model`` for ``None``:
     run on the sub-batch of rows sharing it, or with ``whole_batch`` on all rows (keeping
     those rows), which changes nothing but float rounding."""
+
+    def run(name: str | None) -> torch.nn.Module:
+        if name is None:
+            return model
+        peft_model.set_adapter(name)
+        return peft_model
+
+    return _per_adapter_logits(run, adapter_names, whole_batch, inputs)
+
+
+def _per_adapter_logits(
+    run: Callable[[str | None], torch.nn.Module], adapter_names: Sequence[str | None], whole_batch: bool, inputs: dict
+) -> torch.Tensor:
+    """Each row's logits from ``run(its adapter name)``, called once per distinct name, on the
+    rows sharing it, or with ``whole_batch`` on all rows (keeping those rows)."""
     out = None
     for name in dict.fromkeys(adapter_names):
         index = [i for i, n in enumerate(adapter_names) if n == name]
-        rows = inputs if whole_batch else _rows(inputs, index)
-        if name is None:
-            logits = model(**rows).logits
-        else:
-            peft_model.set_adapter(name)
-            logits = peft_model(**rows).logits
+        logits = run(name)(**(inputs if whole_batch else _rows(inputs, index))).logits
         if whole_batch:
             logits = logits[index]
         if out is None:
@@ -120,6 +130,7 @@ def merged_model(model: torch.nn.Module, adapter: Any) -> torch.nn.Module:
     return merged.eval()
 
 
+@torch.no_grad()
 def merged_logits(
     model: torch.nn.Module,
     adapters: Mapping[str, Any],
@@ -130,18 +141,10 @@ def merged_logits(
 ) -> torch.Tensor:
     """Logits of every row from ``model`` with the row's adapter merged in (``None``: as is),
     run on the sub-batch of rows sharing it, or with ``whole_batch`` on all rows."""
-    out = None
-    for name in dict.fromkeys(adapter_names):
-        index = [i for i, n in enumerate(adapter_names) if n == name]
-        with torch.no_grad():
-            run = model if name is None else merged_model(model, adapters[name])
-            logits = run(**(inputs if whole_batch else _rows(inputs, index))).logits
-        if whole_batch:
-            logits = logits[index]
-        if out is None:
-            out = logits.new_empty((len(adapter_names), *logits.shape[1:]))
-        out[index] = logits
-    return out
+    def run(name: str | None) -> torch.nn.Module:
+        return model if name is None else merged_model(model, adapters[name])
+
+    return _per_adapter_logits(run, adapter_names, whole_batch, inputs)
 
 
 def check_rows(
