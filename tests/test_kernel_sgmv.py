@@ -18,7 +18,13 @@ def test_shrink_expand_match_reference(data):
     shrink = data.draw(
         st.none()
         | st.builds(
-            sgmv.ShrinkConfig, blocks, blocks, st.integers(1, 3), st.sampled_from([1, 2, 4]), num_stages=st.integers(1, 3)
+            sgmv.ShrinkConfig,
+            blocks,
+            blocks,
+            st.integers(1, 3),
+            st.sampled_from([1, 2, 4]),
+            block_r=st.sampled_from([16, 32, 64]),
+            num_stages=st.integers(1, 3),
         ),
         label="shrink",
     )
