@@ -29,7 +29,7 @@ from fxlora.kernels.lora_linear import lora_linear_triton
 
 @triton.jit
 def _empty_kernel(y_ptr):
-    pass
+    """Does nothing: what launching any kernel after the GEMM costs."""
 
 
 @triton.jit
