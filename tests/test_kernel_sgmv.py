@@ -35,3 +35,12 @@ def test_shrink_expand_match_reference(data):
     v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, len(c.widths), config=shrink)
     sgmv.lora_expand(c.y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.widths, config=expand)
     c.check()
+
+
+def test_column_align():
+    """The alignment the expands assume divides every slice's width and first column."""
+    assert sgmv.column_align((4096, 1024, 1024)) == 16
+    assert sgmv.column_align((1536, 576)) == 16
+    assert sgmv.column_align((24, 8)) == 8
+    assert sgmv.column_align((4096, 6)) == 2
+    assert sgmv.column_align((67,)) == 1

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from fxlora.kernels.sgmv import pdl_options, slice_starts
+from fxlora.kernels.sgmv import b_columns, column_align, pdl_options, slice_columns, slice_starts
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _expand_kernel(
     y_ptr, v_ptr, b_ptr, scaling_ptr, rank_ptr, slice_start_ptr, slot_ptr,
     stride_yt, stride_vt, stride_bs, stride_bn,
     MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr,
+    ALIGN: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -40,8 +40,7 @@ def _expand_kernel(
         return
     sl = tl.program_id(2)
     rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
-    col0 = tl.load(slice_start_ptr + sl)
-    width = tl.load(slice_start_ptr + sl + 1) - col0
+    col0, width = slice_columns(slice_start_ptr, sl, ALIGN)
     if rank == 0 or tl.program_id(1) * BLOCK_N >= width:
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -52,7 +51,7 @@ def _expand_kernel(
     # the slot, B and the scaling are ready before the kernel ahead of this one finishes
     b = tl.load(
         b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + r[None, :],
-        mask=n_ok[:, None] & r_ok[None, :],
+        mask=n_ok[:, None] & (r < b_columns(rank, MAX_RANK))[None, :],
         other=0.0,
     )
     scale = tl.load(scaling_ptr + slot * NUM_SLICES + sl)
@@ -104,5 +103,6 @@ def lora_expand(
         y, v, lora_b, scaling, rank, slice_starts(tuple(widths), y.device), token_slot,
         y.stride(0), v.stride(0), lora_b.stride(0), lora_b.stride(1),
         MAX_RANK=max_rank, NUM_SLICES=len(widths), BLOCK_N=cfg.block_n, BLOCK_R=triton.next_power_of_2(max_rank),
+        ALIGN=column_align(tuple(widths)),
         num_warps=cfg.num_warps, **pdl_options(y.device),
     )

@@ -20,6 +20,11 @@ With ``seg_slot`` the segments are a compact list instead — at most one per to
 ``i`` reading adapter ``seg_slot[i]`` — for pools with many more adapters than tokens (the
 MoE path reads its pool as ``slots · experts`` adapters).
 
+The expands move ``y`` and ``B`` in 16-byte pieces: the slices' widths tell the kernel how
+far their columns are aligned (:func:`column_align`), and a slot reads ``B``'s rank columns up
+to the next multiple of 8. Those past its rank meet zeros of ``v`` and must be finite (the
+pool keeps them zero).
+
 On Hopper and later the expand is launched as a programmatic dependent (PDL) of the kernel
 before it, so its launch overlaps that kernel's tail; it waits for it (``gdc_wait``) before
 reading anything.
@@ -59,6 +64,24 @@ def _segment_block(
     else:
         slot = seg
     return seg, slot, pid - first, length
+
+
+@triton.jit
+def slice_columns(slice_start_ptr, sl, ALIGN: tl.constexpr):
+    """First column and width of output slice ``sl``, both multiples of ``ALIGN`` (see
+    :func:`column_align`): what lets loads and stores of ``y`` move 16 bytes at a time."""
+    col0 = tl.multiple_of(tl.load(slice_start_ptr + sl), ALIGN)
+    width = tl.multiple_of(tl.load(slice_start_ptr + sl + 1) - col0, ALIGN)
+    return col0, width
+
+
+@triton.jit
+def b_columns(rank, MAX_RANK: tl.constexpr):
+    """How many of ``B``'s rank columns a slot of rank ``rank`` reads: its rank rounded up to a
+    multiple of 8 (within ``MAX_RANK``), so that each row of ``B`` loads in 16-byte pieces. The
+    extra columns meet zeros of ``v`` (masked to the exact rank) and must hold finite values;
+    the pool keeps them zero."""
+    return tl.minimum(tl.cdiv(rank, 8) * 8, MAX_RANK)
 
 
 @triton.jit
@@ -113,7 +136,7 @@ def _expand_kernel(
     stride_yt, stride_vt, stride_bs, stride_bn,
     MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
-    IEEE: tl.constexpr, INDIRECT: tl.constexpr, PDL: tl.constexpr,
+    ALIGN: tl.constexpr, IEEE: tl.constexpr, INDIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # launched before the kernel ahead finishes: wait for it before reading anything
         gdc_wait()
@@ -124,8 +147,7 @@ def _expand_kernel(
         return
     sl = tl.program_id(2)
     rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
-    col0 = tl.load(slice_start_ptr + sl)
-    width = tl.load(slice_start_ptr + sl + 1) - col0
+    col0, width = slice_columns(slice_start_ptr, sl, ALIGN)
     lo = tl.program_id(1) * (BLOCK_N * TILES)  # this program's TILES column tiles
     if rank == 0 or lo >= width:
         return
@@ -135,6 +157,7 @@ def _expand_kernel(
     tokens = tl.load(sorted_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
+    b_ok = r < b_columns(rank, MAX_RANK)
     vs = tl.load(v_ptr + tokens[:, None] * stride_vt + (sl * MAX_RANK + r)[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     if not IEEE:
         vs = vs.to(b_ptr.dtype.element_ty)
@@ -148,7 +171,7 @@ def _expand_kernel(
         mask = row_ok[:, None] & n_ok[None, :]
         y = tl.load(out, mask=mask, other=0.0)
         # B[s] rows are contiguous along the rank: load them as stored, transpose in registers
-        b = tl.load(b_base + cols[:, None].to(tl.int64) * stride_bn + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        b = tl.load(b_base + cols[:, None].to(tl.int64) * stride_bn + r[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0.0)
         if IEEE:
             delta = tl.dot(vs, tl.trans(b.to(tl.float32)), input_precision="ieee")
         else:
@@ -219,6 +242,15 @@ def slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
     for w in widths:
         starts.append(starts[-1] + w)
     return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+def column_align(widths: tuple[int, ...]) -> int:
+    """The largest power of two up to 16 that divides every slice width, hence every slice's
+    first column: the ``ALIGN`` the expand kernels may assume of them."""
+    align = 16
+    while any(w % align for w in widths):
+        align //= 2
+    return align
 
 
 def _p2(n: int, floor: int = 16) -> int:
@@ -293,6 +325,6 @@ def lora_expand(
         y.stride(0), v.stride(0), lora_b.stride(0), lora_b.stride(1),
         MAX_RANK=max_rank, NUM_SLICES=len(widths), SLOTS_P2=_p2(slots, 2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_p2(max_rank), TILES=cfg.tiles, STAGES=cfg.stages,
-        IEEE=y.dtype == torch.float32, INDIRECT=seg_slot is not None, num_warps=cfg.num_warps,
+        ALIGN=column_align(tuple(widths)), IEEE=y.dtype == torch.float32, INDIRECT=seg_slot is not None, num_warps=cfg.num_warps,
         **pdl_options(y.device),
     )
