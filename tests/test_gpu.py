@@ -10,7 +10,7 @@ from peft import LoraConfig
 
 import fxlora
 from fxlora.kernels import batch_info, lora_embedding, lora_linear
-from fxlora.kernels.lora_linear import lora_delta_reference, lora_workspace
+from fxlora.kernels.lora_linear import lora_delta_reference, lora_linear_triton, lora_workspace
 from fxlora.testing import assert_matches_peft, lora_module_names, make_adapter, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -67,6 +67,44 @@ def test_lora_linear_at_real_sizes(tokens, rank, dtype):
     meta = batch_info(slot_ids, x, 1, 8)
     out = lora_linear(x, w, None, a, b, scaling, ranks, *meta, lora_workspace(x, a))
     ref = _expected(x, w, a, b, scaling, ranks, slot_ids)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [5, 64, 2048])
+@pytest.mark.parametrize("widths", [(4096, 1024, 1024), (1536, 576)], ids=["qkv", "mla"])
+def test_multi_slice_mixed_ranks_at_real_sizes(widths, tokens, dtype):
+    """Several slices in one launch, each slot and slice with its own rank below ``max_rank``
+    (not multiples of 8) and ``B``'s padding columns filled with finite noise: the expands
+    read them in 16-byte pieces, and they must not reach the output."""
+    slots, max_rank, slices, d_in = 6, 64, len(widths), 2048
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    kw = dict(device="cuda", generator=gen)
+    x = torch.randn(tokens, d_in, **kw).to(dtype)
+    w = (torch.randn(sum(widths), d_in, **kw) / d_in**0.5).to(dtype)
+    ranks = torch.randint(1, max_rank + 1, (slots * slices,), **kw).int()
+    ranks[1] = 0  # a slot that does not touch the first slice
+    a = torch.randn(slots, slices * max_rank, d_in, **kw) / d_in**0.5
+    for i, r in enumerate(ranks.tolist()):  # the pool's A: zero past each rank
+        s, sl = divmod(i, slices)
+        a[s, sl * max_rank + r : (sl + 1) * max_rank] = 0
+    a, b = a.to(dtype), (torch.randn(slots, sum(widths), max_rank, **kw) / max_rank**0.5).to(dtype)
+    scaling = torch.rand(slots * slices, **kw) + 0.5
+    slot_ids = torch.randint(-1, slots, (tokens,), **kw).int()
+    meta = batch_info(slot_ids, x, 1, slots)
+    out = lora_linear_triton(
+        x, w, None, a, b, scaling, ranks, *meta, torch.empty(tokens, slices * max_rank, device="cuda"), slice_widths=widths
+    )
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    col = 0
+    for i, width in enumerate(widths):
+        part = ref[:, col : col + width]  # a view: the reference adds into ref
+        lora_delta_reference(
+            part, x.double(), a[:, i * max_rank : (i + 1) * max_rank].double(), b[:, col : col + width].double(),
+            scaling[i::slices].double(), ranks[i::slices].contiguous(), slot_ids,
+        )
+        col += width
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype], err
 
