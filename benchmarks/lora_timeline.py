@@ -4,7 +4,7 @@ whole op as a graph replay runs them (``torch.profiler``), with their start and 
     python benchmarks/lora_timeline.py [--tokens 32] [--rank 16] [--adapters 16] [--widths 4096 ...]
 
 The parts: the base GEMM, zeroing the shrink's workspace, the shrink, the expand (the per-token
-one up to ``bgmv.MAX_TOKENS`` tokens, as ``lora_linear`` picks), and the op with the shrink
+one where ``bgmv.serves``, as ``lora_linear`` picks), and the op with the shrink
 beside the GEMM (``overlap``) or after it (``serial``). Then what a kernel adds right after
 the GEMM: an empty one, one that only reads and writes back ``y`` (the floor of any update
 of ``y`` in place), and the expand. bf16, K = 4096; weights stay in L2 (the loop reads one
@@ -73,7 +73,7 @@ def main() -> None:
         return lora_linear_triton(x, w, None, a, b, scaling, ranks, *meta, ws, overlap=overlap, slice_widths=sliced)
 
     def expand(y=y):
-        if tokens <= bgmv.MAX_TOKENS:
+        if bgmv.serves(tokens, rank):
             bgmv.lora_expand(y, ws, b, scaling, ranks, token_slot, sliced)
         else:
             sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length, sliced)

@@ -158,7 +158,7 @@ def in_context_case(tokens, rank, adapters, widths) -> None:
     slices = len(widths)
     copies = [(x.clone(), w.clone(), a.clone()) for _ in range(-(-(200 << 20) // w.nbytes))]
     sliced = widths if slices > 1 else None
-    if tokens <= bgmv.MAX_TOKENS:
+    if bgmv.serves(tokens, rank):
         expand = lambda y: bgmv.lora_expand(y, ws, b, scaling, ranks, slot, sliced)  # noqa: E731
     else:
         expand = lambda y: sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length, sliced)  # noqa: E731

@@ -85,7 +85,7 @@ def lora_linear_triton(
     slice_widths: tuple[int, ...] | None = None,
 ):
     """The CUDA implementation: the SGMV kernels of :mod:`fxlora.kernels.sgmv`, with the
-    per-token expand of :mod:`fxlora.kernels.bgmv` up to ``bgmv.MAX_TOKENS`` tokens. With
+    per-token expand of :mod:`fxlora.kernels.bgmv` for few tokens (``bgmv.serves``). With
     ``overlap`` the shrink (which reads only ``x``) runs on a side stream beside the base GEMM;
     under CUDA-graph capture the fork and join become parallel branches of the graph, so the
     shrink's time hides behind the GEMM. ``slice_widths``: several output slices sharing one
@@ -93,7 +93,7 @@ def lora_linear_triton(
     x2 = x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
     slices = len(slice_widths or (None,))
     shrink = lambda: sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len, slices, out=workspace)  # noqa: E731
-    if x2.shape[0] <= bgmv.MAX_TOKENS:
+    if bgmv.serves(x2.shape[0], lora_b.shape[-1]):
         expand = lambda y, v: bgmv.lora_expand(y, v, lora_b, scaling, rank, token_slot, slice_widths)  # noqa: E731
     else:
         expand = lambda y, v: sgmv.lora_expand(  # noqa: E731
