@@ -97,3 +97,37 @@ def draw_case(data) -> Case:
     expected = reference(y, x, a, b, scaling, rank, meta[0], widths, max_rank)
     on = [t.to(DEVICE) for t in (x, y.clone(), a, b, scaling, rank, *meta)]
     return Case(*on, widths=widths, dtype=dtype, y_host=y, expected=expected)
+
+
+_PTX_SCRIPT = """
+import collections, importlib, json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, name, signature, constexprs, num_warps = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), name)
+for k in constexprs:
+    signature[k] = "constexpr"
+names = list(signature)
+aligned = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if k.endswith("_ptr") or k.startswith("stride")}
+src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=aligned)
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+print(json.dumps(collections.Counter(re.findall(r"(?:ld|st)\\.global[.\\w]*|cp\\.async\\.cg", ptx))))
+"""
+
+
+def ptx_memory_ops(module: str, kernel: str, signature: dict, constexprs: dict, num_warps: int = 4) -> dict:
+    """How often each global load / store instruction appears in ``kernel``'s PTX, compiled
+    for sm_90 (no GPU needed) with 16-byte aligned pointers and strides. A fresh interpreter
+    compiles it: with ``TRITON_INTERPRET`` set the kernels here are Triton's interpreted ones."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = json.dumps([module, kernel, signature, constexprs, num_warps])
+    done = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, args], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"compiling {module}.{kernel} for sm_90 failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout)

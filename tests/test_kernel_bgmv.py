@@ -6,7 +6,7 @@ TRITON_INTERPRET=1), float32 and float16."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lora_cases import draw_case
+from lora_cases import draw_case, ptx_memory_ops
 
 bgmv = pytest.importorskip("fxlora.kernels.bgmv")
 sgmv = pytest.importorskip("fxlora.kernels.sgmv")
@@ -20,3 +20,15 @@ def test_expand_matches_reference(data):
     v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, len(c.widths))
     bgmv.lora_expand(c.y, v, c.b, c.scaling, c.rank, c.token_slot, c.widths, config=expand)
     c.check()
+
+
+def test_expand_moves_whole_words():
+    """With aligned slice widths no load or store of ``y`` or ``B`` is narrower than the layout
+    gives each thread (two bf16 at 128 columns and 2 warps), in the code compiled for Hopper."""
+    signature = {"y_ptr": "*bf16", "v_ptr": "*fp32", "b_ptr": "*bf16", "scaling_ptr": "*fp32"}
+    signature.update(dict.fromkeys(["rank_ptr", "slice_start_ptr", "slot_ptr"], "*i32"))
+    signature.update(dict.fromkeys(["stride_yt", "stride_vt", "stride_bs", "stride_bn"], "i32"))
+    constexprs = dict(MAX_RANK=16, NUM_SLICES=3, BLOCK_N=128, BLOCK_R=16, ALIGN=sgmv.column_align((4096, 1024, 1024)), PDL=True)
+    ops = ptx_memory_ops("fxlora.kernels.bgmv", "_expand_kernel", signature, constexprs, num_warps=2)
+    assert not any(op.endswith((".b16", ".b8")) for op in ops), ops
+    assert ops.get("ld.global.v4.b32", 0) > 0, ops

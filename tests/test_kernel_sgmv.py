@@ -5,7 +5,7 @@ TRITON_INTERPRET=1), float32 and float16."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lora_cases import draw_case
+from lora_cases import draw_case, ptx_memory_ops
 
 sgmv = pytest.importorskip("fxlora.kernels.sgmv")
 
@@ -44,3 +44,18 @@ def test_column_align():
     assert sgmv.column_align((24, 8)) == 8
     assert sgmv.column_align((4096, 6)) == 2
     assert sgmv.column_align((67,)) == 1
+
+
+def test_expand_moves_16_bytes_at_a_time():
+    """With aligned slice widths the expand's loads and stores of ``y`` and ``B`` are 16 bytes
+    wide in the code compiled for Hopper (2-byte ones made it several times slower)."""
+    signature = dict.fromkeys(["rank_ptr", "slice_start_ptr", "sorted_ptr", "seg_start_ptr", "seg_len_ptr", "seg_slot_ptr"], "*i32")
+    signature = {"y_ptr": "*bf16", "v_ptr": "*fp32", "b_ptr": "*bf16", "scaling_ptr": "*fp32", **signature}
+    signature.update(dict.fromkeys(["num_slots", "stride_yt", "stride_vt", "stride_bs", "stride_bn"], "i32"))
+    constexprs = dict(
+        MAX_RANK=16, NUM_SLICES=3, SLOTS_P2=4, BLOCK_M=32, BLOCK_N=64, BLOCK_R=16, TILES=4, STAGES=2,
+        ALIGN=sgmv.column_align((4096, 1024, 1024)), IEEE=False, INDIRECT=False, PDL=True,
+    )
+    ops = ptx_memory_ops("fxlora.kernels.sgmv", "_expand_kernel", signature, constexprs)
+    assert not any(op.endswith((".b16", ".b8")) for op in ops), ops
+    assert ops.get("cp.async.cg", 0) + ops.get("ld.global.v4.b32", 0) > 0 and ops.get("st.global.v4.b32", 0) > 0, ops
