@@ -1,5 +1,6 @@
 """Shared by the LoRA kernel tests: a hypothesis draw of one multi-slice case (pool factors in
-the kernels' layout, inputs, batch info, slot assignments) and its reference result."""
+the kernels' layout, inputs, batch info, slot assignments) and its reference result; and the
+global memory instructions of a kernel compiled for Hopper, for checks of its access widths."""
 
 from dataclasses import dataclass
 
