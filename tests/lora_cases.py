@@ -2,6 +2,10 @@
 the kernels' layout, inputs, batch info, slot assignments) and its reference result; and the
 global memory instructions of a kernel compiled for Hopper, for checks of its access widths."""
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -121,11 +125,6 @@ def ptx_memory_ops(module: str, kernel: str, signature: dict, constexprs: dict, 
     """How often each global load / store instruction appears in ``kernel``'s PTX, compiled
     for sm_90 (no GPU needed) with 16-byte aligned pointers and strides. A fresh interpreter
     compiles it: with ``TRITON_INTERPRET`` set the kernels here are Triton's interpreted ones."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = json.dumps([module, kernel, signature, constexprs, num_warps])
     done = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, args], env=env, capture_output=True, text=True)
