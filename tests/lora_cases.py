@@ -12,7 +12,7 @@ import torch
 from hypothesis import strategies as st
 
 from fxlora.kernels import batch_info
-from fxlora.kernels.lora_linear import lora_delta_reference
+from fxlora.kernels.lora_linear import sliced_delta_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -31,19 +31,20 @@ def pool_factors(gen, slots, slices, max_rank, d_in, widths, ranks, dtype):
     return a.to(dtype), b.to(dtype), scaling, rank
 
 
-def reference(y, x, a, b, scaling, rank, token_slot, widths, max_rank):
-    """Multi-slice delta from the single-slice reference, one slice at a time."""
+def reference(y, x, a, b, scaling, rank, token_slot, widths):
     y = y.clone()
-    slices = len(widths)
-    col = 0
-    for i, w in enumerate(widths):
-        ai = a[:, i * max_rank : (i + 1) * max_rank]
-        bi = b[:, col : col + w]
-        part = y[:, col : col + w].clone()
-        lora_delta_reference(part, x, ai, bi, scaling[i::slices].contiguous(), rank[i::slices].contiguous(), token_slot)
-        y[:, col : col + w] = part
-        col += w
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    sliced_delta_reference([y[:, c : c + w] for c, w in zip(starts, widths)], x, a, b, scaling, rank, token_slot)
     return y
+
+
+def inside_noise(gen, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` as a view into a larger tensor with noise before and after it along ``dim``, as
+    a member of a joined pool group is: kernels must follow its strides."""
+    pad = list(t.shape)
+    pad[dim] = 3
+    noise = lambda: torch.randn(pad, generator=gen).to(t.device, t.dtype)  # noqa: E731
+    return torch.cat([noise(), t, noise()], dim).narrow(dim, 3, t.shape[dim])
 
 
 def draw_assignment(data, tokens: int, slots: int) -> list[int]:
@@ -75,9 +76,21 @@ class Case:
     dtype: torch.dtype
     y_host: torch.Tensor
     expected: torch.Tensor
+    parts: list[torch.Tensor] | None = None
+
+    def outputs(self, data) -> torch.Tensor | list[torch.Tensor]:
+        """What an expand updates, as drawn: ``y``, or with several slices one tensor per
+        slice (as the members of a fused group have), which :meth:`check` reads back."""
+        if len(self.widths) > 1 and data.draw(st.booleans(), label="an output per slice"):
+            starts = [sum(self.widths[:i]) for i in range(len(self.widths))]
+            self.parts = [self.y[:, c : c + w].clone() for c, w in zip(starts, self.widths)]
+            return self.parts
+        return self.y
 
     def check(self) -> None:
         """``y`` holds the reference result; rows without an adapter are untouched."""
+        if self.parts is not None:
+            self.y = torch.cat(self.parts, 1)
         torch.testing.assert_close(self.y.cpu().float(), self.expected.float(), **TOL[self.dtype])
         untouched = (self.token_slot.cpu() < 0).tolist()
         assert torch.equal(self.y.cpu()[untouched], self.y_host[untouched])
@@ -99,8 +112,10 @@ def draw_case(data) -> Case:
     x = torch.randn(tokens, d_in, generator=gen).to(dtype)
     y = torch.randn(tokens, sum(widths), generator=gen).to(dtype)
     meta = batch_info(torch.tensor(assignment, dtype=torch.int32), x, 1, slots)
-    expected = reference(y, x, a, b, scaling, rank, meta[0], widths, max_rank)
+    expected = reference(y, x, a, b, scaling, rank, meta[0], widths)
     on = [t.to(DEVICE) for t in (x, y.clone(), a, b, scaling, rank, *meta)]
+    if data.draw(st.booleans(), label="factors inside a larger tensor"):
+        on[2], on[3] = inside_noise(gen, on[2], 1), inside_noise(gen, on[3], 1)
     return Case(*on, widths=widths, dtype=dtype, y_host=y, expected=expected)
 
 
@@ -114,7 +129,7 @@ fn = getattr(importlib.import_module(module), name)
 for k in constexprs:
     signature[k] = "constexpr"
 names = list(signature)
-aligned = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if k.endswith("_ptr") or k.startswith("stride")}
+aligned = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if k.endswith("_ptr") or k.startswith(("stride", "y_off"))}
 src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=aligned)
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
 print(json.dumps(collections.Counter(re.findall(r"(?:ld|st)\\.global[.\\w]*|cp\\.async\\.cg", ptx))))
@@ -123,7 +138,7 @@ print(json.dumps(collections.Counter(re.findall(r"(?:ld|st)\\.global[.\\w]*|cp\\
 
 def ptx_memory_ops(module: str, kernel: str, signature: dict, constexprs: dict, num_warps: int = 4) -> dict:
     """How often each global load / store instruction appears in ``kernel``'s PTX, compiled
-    for sm_90 (no GPU needed) with 16-byte aligned pointers and strides. A fresh interpreter
+    for sm_90 (no GPU needed) with 16-byte aligned pointers, strides and offsets. A fresh interpreter
     compiles it: with ``TRITON_INTERPRET`` set the kernels here are Triton's interpreted ones."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = json.dumps([module, kernel, signature, constexprs, num_warps])

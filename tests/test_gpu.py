@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig
 
 import fxlora
-from fxlora.kernels import batch_info, lora_embedding, lora_linear
+from fxlora.kernels import batch_info, lora_embedding, lora_linear, lora_linear_fused
 from fxlora.kernels.lora_linear import lora_delta_reference, lora_linear_triton, lora_workspace
 from fxlora.testing import assert_matches_peft, lora_module_names, make_adapter, tiny_model
 
@@ -74,10 +74,12 @@ def test_lora_linear_at_real_sizes(tokens, rank, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [5, 64, 2048])
 @pytest.mark.parametrize("widths", [(4096, 1024, 1024), (1536, 576)], ids=["qkv", "mla"])
-def test_multi_slice_mixed_ranks_at_real_sizes(widths, tokens, dtype):
+@pytest.mark.parametrize("members", [False, True], ids=["one_output", "fused_members"])
+def test_multi_slice_mixed_ranks_at_real_sizes(widths, members, tokens, dtype):
     """Several slices in one launch, each slot and slice with its own rank below ``max_rank``
     (not multiples of 8) and ``B``'s padding columns filled with finite noise: the expands
-    read them in 16-byte pieces, and they must not reach the output."""
+    read them in 16-byte pieces, and they must not reach the output. The slices are the
+    columns of one output, or (``fxlora::lora_linear_fused``) each member's own output."""
     slots, max_rank, slices, d_in = 6, 64, len(widths), 2048
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     kw = dict(device="cuda", generator=gen)
@@ -93,9 +95,12 @@ def test_multi_slice_mixed_ranks_at_real_sizes(widths, tokens, dtype):
     scaling = torch.rand(slots * slices, **kw) + 0.5
     slot_ids = torch.randint(-1, slots, (tokens,), **kw).int()
     meta = batch_info(slot_ids, x, 1, slots)
-    out = lora_linear_triton(
-        x, w, None, a, b, scaling, ranks, *meta, torch.empty(tokens, slices * max_rank, device="cuda"), slice_widths=widths
-    )
+    workspace = torch.empty(tokens, slices * max_rank, device="cuda")
+    if members:
+        outs = lora_linear_fused(x, list(w.split(widths)), [None] * slices, a, b, scaling, ranks, *meta, workspace)
+        out = torch.cat(outs, -1)
+    else:
+        out = lora_linear_triton(x, w, None, a, b, scaling, ranks, *meta, workspace, slice_widths=widths)
     ref = torch.nn.functional.linear(x.double(), w.double())
     col = 0
     for i, width in enumerate(widths):

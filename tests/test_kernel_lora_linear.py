@@ -1,11 +1,12 @@
-"""fxlora::lora_linear's reference against the LoRA formula written token by token."""
+"""fxlora::lora_linear's reference against the LoRA formula written token by token, and
+fxlora::lora_linear_fused's against its members served one at a time."""
 
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fxlora.kernels import batch_info, lora_linear
+from fxlora.kernels import batch_info, lora_linear, lora_linear_fused
 from fxlora.kernels.lora_linear import lora_workspace
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
@@ -70,3 +71,48 @@ def test_lora_linear_keeps_leading_dims_and_fake():
         (x, w, b, a, bb, scaling, rank, *meta, lora_workspace(x, a)),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+@given(
+    rows=st.integers(1, 5),
+    per_row=st.integers(1, 3),
+    d_in=st.integers(1, 24),
+    widths=st.lists(st.integers(1, 24), min_size=2, max_size=3),
+    max_rank=st.integers(1, 8),
+    num_slots=st.integers(1, 4),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    data=st.data(),
+)
+def test_lora_linear_fused_matches_its_members_one_at_a_time(
+    rows, per_row, d_in, widths, max_rank, num_slots, dtype, data
+):
+    slots = data.draw(st.lists(st.integers(-1, num_slots - 1), min_size=rows, max_size=rows))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    x = torch.randn(rows * per_row, d_in, generator=gen).to(dtype)
+    slot_ids = torch.tensor(slots, dtype=torch.int32)
+    members = []
+    for width in widths:
+        ranks = data.draw(st.lists(st.integers(0, max_rank), min_size=num_slots, max_size=num_slots))
+        bias = data.draw(st.booleans())
+        _, w, b, a, bb, scaling, rank, _ = make_case(gen, 1, d_in, width, max_rank, ranks, slots, dtype, bias)
+        members.append((w, b, a, bb, scaling, rank))
+    weights, biases, a, bb, scaling, rank = zip(*members, strict=True)
+    # the multi-slice layout: rank rows and output rows stacked, (slot, member) slot-major
+    joint = (torch.cat(a, 1), torch.cat(bb, 1), torch.stack(scaling, 1).flatten(), torch.stack(rank, 1).flatten())
+    meta = batch_info(slot_ids, x, 1, num_slots)
+    outs = lora_linear_fused(x, list(weights), list(biases), *joint, *meta, lora_workspace(x, joint[0]))
+    base_rows = meta[0] < 0
+    for out, m in zip(outs, members, strict=True):
+        torch.testing.assert_close(out, lora_linear(x, *m, *meta, lora_workspace(x, m[2])), **TOL[dtype])
+        assert out.is_contiguous()
+        assert torch.equal(out[base_rows], F.linear(x, m[0], m[1])[base_rows])  # untouched: the member's own linear
+
+
+def test_lora_linear_fused_keeps_leading_dims_and_fake():
+    gen = torch.Generator().manual_seed(0)
+    x, w, b, a, bb, scaling, rank, slot_ids = make_case(gen, 6, 5, 3, 2, [2, 1], [0, 1], torch.float32)
+    x = x.view(2, 3, 5)
+    joint = (torch.cat([a, a], 1), torch.cat([bb, bb[:, :2]], 1), scaling.repeat_interleave(2), rank.repeat_interleave(2))
+    args = (x, [w, w[:2]], [b, None], *joint, *batch_info(slot_ids, x, 1, 2), lora_workspace(x, joint[0]))
+    assert [y.shape for y in lora_linear_fused(*args)] == [(2, 3, 3), (2, 3, 2)]
+    torch.library.opcheck(torch.ops.fxlora.lora_linear_fused.default, args, test_utils=("test_schema", "test_faketensor"))

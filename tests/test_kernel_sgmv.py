@@ -33,7 +33,8 @@ def test_shrink_expand_match_reference(data):
         label="expand",
     )
     v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, len(c.widths), config=shrink)
-    sgmv.lora_expand(c.y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.widths, config=expand)
+    y = c.outputs(data)
+    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.widths, config=expand)
     c.check()
 
 
@@ -51,7 +52,7 @@ def test_expand_moves_16_bytes_at_a_time():
     wide in the code compiled for Hopper (2-byte ones made it several times slower)."""
     signature = dict.fromkeys(["rank_ptr", "slice_start_ptr", "sorted_ptr", "seg_start_ptr", "seg_len_ptr", "seg_slot_ptr"], "*i32")
     signature = {"y_ptr": "*bf16", "v_ptr": "*fp32", "b_ptr": "*bf16", "scaling_ptr": "*fp32", **signature}
-    signature.update(dict.fromkeys(["num_slots", "stride_yt", "stride_vt", "stride_bs", "stride_bn"], "i32"))
+    signature.update(dict.fromkeys(["num_slots", *["y_off1", "y_off2", "y_off3", "stride_y0", "stride_y1", "stride_y2", "stride_y3", "stride_vt", "stride_bs", "stride_bn"]], "i32"))
     constexprs = dict(
         MAX_RANK=16, NUM_SLICES=3, SLOTS_P2=4, BLOCK_M=32, BLOCK_N=64, BLOCK_R=16, TILES=4, STAGES=2,
         ALIGN=sgmv.column_align((4096, 1024, 1024)), IEEE=False, INDIRECT=False, PDL=True,

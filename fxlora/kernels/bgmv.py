@@ -17,6 +17,7 @@ can be captured in a CUDA graph and replayed with other assignments.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +25,23 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from fxlora.kernels.sgmv import b_columns, column_align, pdl_options, slice_columns, slice_starts
+from fxlora.kernels.sgmv import (
+    b_columns,
+    column_align,
+    output_slices,
+    pdl_options,
+    rows_contiguous,
+    slice_columns,
+    slice_output,
+    slice_starts,
+)
 
 
 @triton.jit
 def _expand_kernel(
     y_ptr, v_ptr, b_ptr, scaling_ptr, rank_ptr, slice_start_ptr, slot_ptr,
-    stride_yt, stride_vt, stride_bs, stride_bn,
+    y_off1, y_off2, y_off3, stride_y0, stride_y1, stride_y2, stride_y3,
+    stride_vt, stride_bs, stride_bn,
     MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     ALIGN: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -41,6 +52,7 @@ def _expand_kernel(
     sl = tl.program_id(2)
     rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
     col0, width = slice_columns(slice_start_ptr, sl, ALIGN)
+    y_sl, stride_yt = slice_output(y_ptr, sl, (y_off1, y_off2, y_off3), (stride_y0, stride_y1, stride_y2, stride_y3))
     if rank == 0 or tl.program_id(1) * BLOCK_N >= width:
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,7 +71,7 @@ def _expand_kernel(
         gdc_wait()
     vs = tl.load(v_ptr + t.to(tl.int64) * stride_vt + sl * MAX_RANK + r, mask=r_ok, other=0.0)
     delta = tl.sum(b.to(tl.float32) * vs[None, :], 1) * scale
-    out = y_ptr + t.to(tl.int64) * stride_yt + cols
+    out = y_sl + t.to(tl.int64) * stride_yt + n
     y = tl.load(out, mask=n_ok, other=0.0)
     tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=n_ok)
 
@@ -83,7 +95,7 @@ def expand_config(tokens: int) -> ExpandConfig:
 
 
 def lora_expand(
-    y: torch.Tensor,  # (T, N) — updated in place
+    y: torch.Tensor | Sequence[torch.Tensor],  # (T, N), or (T, N_i) per slice — updated in place
     v: torch.Tensor,  # (T, num_slices * max_rank) float32, from sgmv.lora_shrink
     lora_b: torch.Tensor,  # (slots, N, max_rank)
     scaling: torch.Tensor,  # (slots * num_slices,) float32
@@ -96,16 +108,15 @@ def lora_expand(
     ``v`` are read after waiting for it, ``token_slot``, ``lora_b``, ``scaling`` and ``rank``
     before, so they must not come from that kernel (in ``lora_linear`` they come from the
     batch-info prologue and the pool, ahead of the base GEMM)."""
-    tokens, n = y.shape
+    y, y_offsets, y_strides, widths = output_slices(y, slice_widths)
+    tokens = y.shape[0]
     _, _, max_rank = lora_b.shape
-    widths = slice_widths or (n,)
     cfg = config or expand_config(tokens)
-    lora_b = lora_b.contiguous()
-    assert y.stride(1) == 1, "the output must be contiguous along its features"
+    lora_b = rows_contiguous(lora_b)
     grid = (tokens, triton.cdiv(max(widths), cfg.block_n), len(widths))
     _expand_kernel[grid](
         y, v, lora_b, scaling, rank, slice_starts(tuple(widths), y.device), token_slot,
-        y.stride(0), v.stride(0), lora_b.stride(0), lora_b.stride(1),
+        *y_offsets, *y_strides, v.stride(0), lora_b.stride(0), lora_b.stride(1),
         MAX_RANK=max_rank, NUM_SLICES=len(widths), BLOCK_N=cfg.block_n, BLOCK_R=triton.next_power_of_2(max_rank),
         ALIGN=column_align(tuple(widths)),
         num_warps=cfg.num_warps, **pdl_options(y.device),

@@ -8,6 +8,10 @@ that do not touch this module (rank 0), cost nothing.
 On CUDA the base GEMM stays ``F.linear`` (cuBLAS) and the delta comes from the Triton SGMV
 kernels (:mod:`fxlora.kernels.sgmv`; for a handful of tokens the expand of
 :mod:`fxlora.kernels.bgmv`); elsewhere from :func:`lora_delta_reference`.
+
+``fxlora::lora_linear_fused`` serves several linears that read the same input (q, k and v;
+gate and up): each member keeps its own GEMM and output, and its factors are one slice of
+the kernels' multi-slice layout, so one shrink and one expand serve them all.
 """
 
 from __future__ import annotations
@@ -34,6 +38,27 @@ def lora_delta_reference(
         xs = x.index_select(0, idx).to(lora_a.dtype)
         delta = (xs @ lora_a[s, :r].T) @ lora_b[s, :, :r].T
         y.index_add_(0, idx, (delta * scaling[s].to(delta.dtype)).to(y.dtype))
+
+
+def sliced_delta_reference(
+    ys: list[torch.Tensor],
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+    rank: torch.Tensor,
+    token_slot: torch.Tensor,
+) -> None:
+    """:func:`lora_delta_reference` for each output slice ``ys[i]`` (``(T, width_i)``) of the
+    multi-slice layout: rank rows ``i * max_rank ..`` of ``lora_a``, output rows
+    ``sum(width_0 .. width_{i-1}) ..`` of ``lora_b``, entries ``s * len(ys) + i`` of ``scaling``
+    and ``rank``."""
+    n, max_rank, col = len(ys), lora_a.shape[1] // len(ys), 0
+    for i, y in enumerate(ys):
+        width = y.shape[-1]
+        a, b = lora_a[:, i * max_rank : (i + 1) * max_rank], lora_b[:, col : col + width]
+        lora_delta_reference(y, x, a, b, scaling[i::n], rank[i::n], token_slot)
+        col += width
 
 
 def lora_workspace(x: torch.Tensor, lora_a: torch.Tensor, *, device: torch.device | str | None = None) -> torch.Tensor:
@@ -90,6 +115,16 @@ def lora_linear_triton(
     under CUDA-graph capture the fork and join become parallel branches of the graph, so the
     shrink's time hides behind the GEMM. ``slice_widths``: several output slices sharing one
     input, each with its own factors (the kernels' multi-slice layout)."""
+    base = lambda: F.linear(x, weight, bias)  # noqa: E731
+    meta = (token_slot, sorted_tokens, seg_start, seg_len)
+    return _with_lora_delta(x, base, lora_a, lora_b, scaling, rank, *meta, workspace, overlap, slice_widths)
+
+
+def _with_lora_delta(
+    x, base, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace, overlap, slice_widths
+):
+    """``base()`` (the GEMM: one output, or one per slice) with the LoRA delta added in place
+    into its output(s)."""
     x2 = x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
     slices = len(slice_widths or (None,))
     shrink = lambda: sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len, slices, out=workspace)  # noqa: E731
@@ -103,7 +138,7 @@ def lora_linear_triton(
         main, side = torch.cuda.current_stream(), _side_stream(x.device)
         inputs_ready = torch.cuda.Event()
         inputs_ready.record(main)
-        y = F.linear(x, weight, bias)
+        y = base()
         side.wait_event(inputs_ready)
         with torch.cuda.stream(side):
             v = shrink()
@@ -111,8 +146,9 @@ def lora_linear_triton(
         v.record_stream(main)
     else:
         v = shrink()
-        y = F.linear(x, weight, bias)
-    expand(y.view(-1, y.shape[-1]), v)
+        y = base()
+    rows = lambda t: t.view(-1, t.shape[-1])  # noqa: E731
+    expand(rows(y) if isinstance(y, torch.Tensor) else [rows(t) for t in y], v)
     return y
 
 
@@ -125,10 +161,49 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[device]
 
 
+@torch.library.custom_op("fxlora::lora_linear_fused", mutates_args=("workspace",))
+def lora_linear_fused(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+    rank: torch.Tensor,
+    token_slot: torch.Tensor,
+    sorted_tokens: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    workspace: torch.Tensor,
+) -> list[torch.Tensor]:
+    """``[lora_linear(x, weights[i], biases[i], <member i's factors>) ...]``: each member's own
+    ``F.linear``, its factors a slice of the multi-slice layout (:func:`sliced_delta_reference`)."""
+    ys = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    rows = [y.view(-1, y.shape[-1]) for y in ys]
+    sliced_delta_reference(rows, x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, token_slot)
+    return ys
+
+
+def lora_linear_fused_triton(
+    x, weights, biases, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace
+):
+    """Every member's GEMM, then one shrink and one expand that update all their outputs."""
+    base = lambda: [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # noqa: E731
+    widths = tuple(w.shape[0] for w in weights)
+    meta = (token_slot, sorted_tokens, seg_start, seg_len)
+    return _with_lora_delta(x, base, lora_a, lora_b, scaling, rank, *meta, workspace, True, widths)
+
+
 if sgmv is not None:
     lora_linear.register_kernel("cuda")(lora_linear_triton)
+    lora_linear_fused.register_kernel("cuda")(lora_linear_fused_triton)
 
 
 @lora_linear.register_fake
 def _(x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@lora_linear_fused.register_fake
+def _(x, weights, biases, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace):
+    return [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.promote_types(x.dtype, w.dtype)) for w in weights]

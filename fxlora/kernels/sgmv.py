@@ -14,7 +14,8 @@ slot's factors, as Punica's SGMV does:
 Several output slices of unequal width may share one input (fused ``qkv_proj``,
 ``gate_up_proj``, MLA's ``q_a_proj`` + ``kv_a_proj_with_mqa``): ``A`` then stacks each
 slice's ``max_rank`` rows, ``B`` each slice's output rows, and ``scaling`` / ``rank`` hold
-one value per (slot, slice).
+one value per (slot, slice). The expands update either one output's column slices or one
+output per slice (:func:`output_slices`).
 
 With ``seg_slot`` the segments are a compact list instead — at most one per token, segment
 ``i`` reading adapter ``seg_slot[i]`` — for pools with many more adapters than tokens (the
@@ -37,6 +38,7 @@ they can be captured in a CUDA graph and replayed with other assignments.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -73,6 +75,18 @@ def slice_columns(slice_start_ptr, sl, ALIGN: tl.constexpr):
     col0 = tl.multiple_of(tl.load(slice_start_ptr + sl), ALIGN)
     width = tl.multiple_of(tl.load(slice_start_ptr + sl + 1) - col0, ALIGN)
     return col0, width
+
+
+@triton.jit
+def slice_output(y_ptr, sl, y_offsets, y_strides):
+    """Where output slice ``sl``'s first element lies and its row stride: slice 0 at ``y_ptr``,
+    slice ``i`` ``y_offsets[i - 1]`` elements after it (:func:`output_slices`). Selected by
+    arithmetic, so the divisibility Triton knows of every offset and stride carries over."""
+    off1, off2, off3 = y_offsets
+    s0, s1, s2, s3 = y_strides
+    one, two, three = (sl == 1).to(tl.int64), (sl == 2).to(tl.int64), (sl == 3).to(tl.int64)
+    stride = s0 * (1 - one - two - three) + s1 * one + s2 * two + s3 * three
+    return y_ptr + (off1 * one + off2 * two + off3 * three), stride
 
 
 @triton.jit
@@ -133,7 +147,8 @@ def _expand_kernel(
     y_ptr, v_ptr, b_ptr, scaling_ptr, rank_ptr, slice_start_ptr,
     sorted_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
     num_slots,
-    stride_yt, stride_vt, stride_bs, stride_bn,
+    y_off1, y_off2, y_off3, stride_y0, stride_y1, stride_y2, stride_y3,
+    stride_vt, stride_bs, stride_bn,
     MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     ALIGN: tl.constexpr, IEEE: tl.constexpr, INDIRECT: tl.constexpr, PDL: tl.constexpr,
@@ -148,6 +163,7 @@ def _expand_kernel(
     sl = tl.program_id(2)
     rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
     col0, width = slice_columns(slice_start_ptr, sl, ALIGN)
+    y_sl, stride_yt = slice_output(y_ptr, sl, (y_off1, y_off2, y_off3), (stride_y0, stride_y1, stride_y2, stride_y3))
     lo = tl.program_id(1) * (BLOCK_N * TILES)  # this program's TILES column tiles
     if rank == 0 or lo >= width:
         return
@@ -166,11 +182,11 @@ def _expand_kernel(
     for n0 in tl.range(lo, tl.minimum(lo + BLOCK_N * TILES, width), BLOCK_N, num_stages=STAGES):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < width
-        cols = col0 + n
-        out = y_ptr + tokens[:, None] * stride_yt + cols[None, :]
+        out = y_sl + tokens[:, None] * stride_yt + n[None, :]
         mask = row_ok[:, None] & n_ok[None, :]
         y = tl.load(out, mask=mask, other=0.0)
         # B[s] rows are contiguous along the rank: load them as stored, transpose in registers
+        cols = col0 + n  # B stacks the slices' rows
         b = tl.load(b_base + cols[:, None].to(tl.int64) * stride_bn + r[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0.0)
         if IEEE:
             delta = tl.dot(vs, tl.trans(b.to(tl.float32)), input_precision="ieee")
@@ -244,6 +260,34 @@ def slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(starts, dtype=torch.int32, device=device)
 
 
+MAX_SLICES = 4
+
+
+def output_slices(
+    y: torch.Tensor | Sequence[torch.Tensor], widths: tuple[int, ...] | None
+) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The expands' outputs: one ``(T, sum(widths))`` tensor whose column slices they update,
+    or one ``(T, width)`` tensor per slice (the members of a fused group, each its own output).
+    Returns the first slice, the others' element offsets from it, every slice's row stride
+    (both padded to :data:`MAX_SLICES`) and the widths."""
+    if isinstance(y, torch.Tensor):
+        widths = widths or (y.shape[1],)
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        parts = [y[:, c : c + w] for c, w in zip(starts, widths, strict=True)]
+    else:
+        parts = list(y)
+        widths = tuple(p.shape[1] for p in parts)
+    if len(parts) > MAX_SLICES:
+        raise ValueError(f"the expands serve at most {MAX_SLICES} output slices, got {len(parts)}")
+    for p in parts:
+        if p.stride(1) != 1 or p.dtype != parts[0].dtype or p.shape[0] != parts[0].shape[0]:
+            raise ValueError("output slices must share dtype and rows and be contiguous along their features")
+    first, size = parts[0], parts[0].element_size()
+    offsets = [(p.data_ptr() - first.data_ptr()) // size for p in parts[1:]]
+    pad = MAX_SLICES - len(parts)
+    return first, (*offsets, *[0] * pad), (*[p.stride(0) for p in parts], *[0] * pad), widths
+
+
 def column_align(widths: tuple[int, ...]) -> int:
     """The largest power of two up to 16 that divides every slice width, hence every slice's
     first column: the ``ALIGN`` the expand kernels may assume of them."""
@@ -251,6 +295,12 @@ def column_align(widths: tuple[int, ...]) -> int:
     while any(w % align for w in widths):
         align //= 2
     return align
+
+
+def rows_contiguous(factors: torch.Tensor) -> torch.Tensor:
+    """A pool's factors as the kernels read them: any strides (a member of a joined group is a
+    view of the group's tensors) as long as each row is contiguous."""
+    return factors if factors.stride(-1) == 1 else factors.contiguous()
 
 
 def _p2(n: int, floor: int = 16) -> int:
@@ -282,7 +332,7 @@ def lora_shrink(
         if out.shape != (tokens, ranks) or out.dtype != torch.float32 or not out.is_contiguous():
             raise ValueError(f"shrink workspace must be contiguous float32 {(tokens, ranks)}, got {tuple(out.shape)}")
         v = out.zero_()
-    x, lora_a = x.contiguous(), lora_a.contiguous()
+    x, lora_a = x.contiguous(), rows_contiguous(lora_a)
     block_r = _p2(min(ranks, cfg.block_r))
     grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(ranks, block_r), cfg.split_k)
     _shrink_kernel[grid](
@@ -298,7 +348,7 @@ def lora_shrink(
 
 
 def lora_expand(
-    y: torch.Tensor,  # (T, N) — updated in place
+    y: torch.Tensor | Sequence[torch.Tensor],  # (T, N), or (T, N_i) per slice — updated in place
     v: torch.Tensor,  # (T, num_slices * max_rank) float32, from lora_shrink
     lora_b: torch.Tensor,  # (slots, N, max_rank)
     scaling: torch.Tensor,  # (slots * num_slices,) float32
@@ -310,19 +360,18 @@ def lora_expand(
     config: ExpandConfig | None = None,
     seg_slot: torch.Tensor | None = None,
 ) -> None:
-    tokens, n = y.shape
+    y, y_offsets, y_strides, widths = output_slices(y, slice_widths)
+    tokens = y.shape[0]
     _, _, max_rank = lora_b.shape
     slots = seg_len.numel()
-    widths = slice_widths or (n,)
     cfg = config or expand_config(tokens, max_rank, slots)
-    lora_b = lora_b.contiguous()
-    assert y.stride(1) == 1, "the output must be contiguous along its features"
+    lora_b = rows_contiguous(lora_b)
     grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(max(widths), cfg.block_n * cfg.tiles), len(widths))
     _expand_kernel[grid](
         y, v, lora_b, scaling, rank, slice_starts(tuple(widths), y.device),
         sorted_tokens, seg_start, seg_len, seg_slot if seg_slot is not None else seg_len,
         slots,
-        y.stride(0), v.stride(0), lora_b.stride(0), lora_b.stride(1),
+        *y_offsets, *y_strides, v.stride(0), lora_b.stride(0), lora_b.stride(1),
         MAX_RANK=max_rank, NUM_SLICES=len(widths), SLOTS_P2=_p2(slots, 2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_p2(max_rank), TILES=cfg.tiles, STAGES=cfg.stages,
         ALIGN=column_align(tuple(widths)), IEEE=y.dtype == torch.float32, INDIRECT=seg_slot is not None, num_warps=cfg.num_warps,
