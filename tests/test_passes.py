@@ -5,16 +5,18 @@ import torch
 import torch.nn.functional as F
 from toy_graphs import toy_expected, toy_graph, toy_pool
 
-from fxlora.adapters import AdapterPool
+from fxlora.adapters import AdapterPool, model_modules
 from fxlora.passes import PassContext, run_pipeline
 from fxlora.passes.annotate import annotate, module_fqn
 from fxlora.passes.batch_info import SLOT_IDS, batch_info
+from fxlora.passes.fuse import MAX_MEMBERS
 from fxlora.passes.lora_embedding import lora_embedding
 from fxlora.passes.lora_linear import lora_linear
 from fxlora.passes.specialize import specialize
 from fxlora.testing import lora_module_names, tiny_model
 
 LORA_LINEAR = torch.ops.fxlora.lora_linear.default
+LORA_LINEAR_FUSED = torch.ops.fxlora.lora_linear_fused.default
 LORA_EMBEDDING = torch.ops.fxlora.lora_embedding.default
 BATCH_INFO = torch.ops.fxlora.batch_info.default
 
@@ -124,10 +126,11 @@ def test_pipeline_on_a_traced_model():
     model = tiny_model("qwen3")
     targets = [t for t in lora_module_names(model) if t != "lm_head"]
     pool = AdapterPool(max_loras=2, max_rank=4, target_modules=targets)
+    ctx = PassContext(pool)
     captured = {}
 
     def backend(gm, example_inputs):
-        captured["lora"], captured["nolora"] = run_pipeline(gm, PassContext(pool))
+        captured["lora"], captured["nolora"] = run_pipeline(gm, ctx)
         return captured["nolora"]
 
     ids = torch.randint(3, 96, (2, 5))
@@ -136,10 +139,38 @@ def test_pipeline_on_a_traced_model():
         out = torch.compile(model, backend=backend)(input_ids=ids).logits
     assert torch.equal(out, ref)
     lora = captured["lora"]
-    assert count(lora, LORA_LINEAR) == 2 * 7  # q k v o gate up down, two layers
+    assert count(lora, LORA_LINEAR) == 2 * 2  # o and down, two layers
+    assert count(lora, LORA_LINEAR_FUSED) == 2 * 2  # q+k+v and gate+up
     assert count(lora, LORA_EMBEDDING) == 1
     assert count(lora, BATCH_INFO) == 1
     assert "fxlora" not in captured["nolora"].code
-    assert {n.meta["fxlora_module"] for n in lora.graph.nodes if n.target is LORA_LINEAR} == set(pool.targets) - {
-        "model.embed_tokens"
+    assert count(captured["nolora"], F.linear) == 2 * 7 + 1  # and lm_head
+    assert set(ctx.rewritten) == set(pool.targets)
+    layer = "model.layers.0"
+    assert set(pool.groups) >= {
+        tuple(f"{layer}.self_attn.{p}_proj" for p in "qkv"),
+        tuple(f"{layer}.mlp.{p}_proj" for p in ("gate", "up")),
     }
+
+
+def test_fuse_leaves_linears_a_graph_already_reads_alone():
+    """A target some graph serves on its own keeps its tensors: that graph reads them."""
+    model = tiny_model("qwen3")
+    pool = AdapterPool(max_loras=2, max_rank=4, target_modules=["q_proj", "k_proj", "v_proj"])
+    ctx = PassContext(pool)
+    pool.register_modules(model_modules(model), complete=True)
+    pool.targets["model.layers.0.self_attn.k_proj"].wired = True
+
+    def backend(gm, example_inputs):
+        return run_pipeline(gm, ctx)[1]
+
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(input_ids=torch.randint(3, 96, (1, 4)))
+    assert list(pool.groups) == [tuple(f"model.layers.1.self_attn.{p}_proj" for p in "qkv")]
+    assert any("not fused model.layers.0.self_attn.q_proj" in line and "on its own" in line for line in ctx.report)
+    assert ctx.rewritten["model.layers.0.self_attn.k_proj"] == "fxlora::lora_linear"
+
+
+def test_fused_groups_fit_the_expands():
+    sgmv = pytest.importorskip("fxlora.kernels.sgmv")
+    assert MAX_MEMBERS == sgmv.MAX_SLICES

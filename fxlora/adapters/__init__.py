@@ -1,7 +1,7 @@
 """Adapters: read PEFT LoRA adapters and pack them into the fixed-slot pool the kernels read."""
 
 from fxlora.adapters.peft_format import LoraAdapter, LoraFactors, read_adapter
-from fxlora.adapters.pool import NO_ADAPTER, AdapterPool, ModuleInfo, PoolTarget, model_modules
+from fxlora.adapters.pool import NO_ADAPTER, AdapterPool, ModuleInfo, PoolGroup, PoolTarget, model_modules
 
 __all__ = [
     "NO_ADAPTER",
@@ -9,6 +9,7 @@ __all__ = [
     "LoraAdapter",
     "LoraFactors",
     "ModuleInfo",
+    "PoolGroup",
     "PoolTarget",
     "model_modules",
     "read_adapter",

@@ -81,6 +81,7 @@ class PoolTarget:
         self.lora_b = torch.zeros(slots, *per_expert, info.out_features, max_rank, **kw)
         self.scaling = torch.zeros(slots, dtype=torch.float32, device=info.device)
         self.rank = torch.zeros(slots, dtype=torch.int32, device=info.device)
+        self.wired = False  # a graph reads these tensors: their addresses must not change
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +99,42 @@ class PoolTarget:
         self.lora_a[slot, ..., :r, :].copy_(factors.a)  # an expert dimension of 1 broadcasts
         self.lora_b[slot, ..., :r].copy_(factors.b)
         self.scaling[slot], self.rank[slot] = factors.scaling, r
+
+
+class PoolGroup:
+    """Linear targets that read the same input, served by one multi-slice LoRA launch.
+
+    The members' factors move into joint tensors and each member's ``lora_a`` / ``lora_b``
+    become views of them, so loading an adapter into the members writes the group too:
+    ``lora_a[slots, n * max_rank, in]`` stacks each member's rank rows, ``lora_b[slots,
+    sum(out), max_rank]`` each member's output rows. ``scaling`` and ``rank`` hold one value
+    per (slot, member), slot-major, copied from the members after every write."""
+
+    def __init__(self, members: list[PoolTarget]):
+        self.members = members
+        self.fqns = tuple(m.fqn for m in members)
+        self.fqn = "+".join(self.fqns)  # names the group's buffers in a graph
+        self.wired = False
+        self.widths = tuple(m.info.out_features for m in members)
+        first = members[0]
+        slots, max_rank, in_features = first.lora_a.shape
+        self.lora_a = torch.cat([m.lora_a for m in members], dim=1)
+        self.lora_b = torch.cat([m.lora_b for m in members], dim=1)
+        self.scaling = torch.zeros(slots * len(members), dtype=torch.float32, device=first.info.device)
+        self.rank = torch.zeros(slots * len(members), dtype=torch.int32, device=first.info.device)
+        row = 0
+        for i, m in enumerate(members):
+            m.lora_a = self.lora_a[:, i * max_rank : (i + 1) * max_rank]
+            m.lora_b = self.lora_b[:, row : row + m.info.out_features]
+            row += m.info.out_features
+        for slot in range(slots):
+            self.refresh(slot)
+
+    @torch.no_grad()
+    def refresh(self, slot: int) -> None:
+        n = len(self.members)
+        for i, m in enumerate(self.members):
+            self.scaling[slot * n + i], self.rank[slot * n + i] = m.scaling[slot], m.rank[slot]
 
 
 class AdapterPool:
@@ -126,6 +163,7 @@ class AdapterPool:
         self._output_embedding = output_embedding  # "all-linear" leaves it out, as PEFT does
         self.modules: dict[str, ModuleInfo] = {}
         self.targets: dict[str, PoolTarget] = {}
+        self.groups: dict[tuple[str, ...], PoolGroup] = {}
         self.complete = False
         self.adapters: dict[str, LoraAdapter] = {}
         self.slot_of: dict[str, int] = {}
@@ -190,6 +228,25 @@ class AdapterPool:
                     f"model's {tuple(info.weight.shape)}: replacing base weights is not supported"
                 )
 
+    def join(self, fqns: Sequence[str]) -> PoolGroup | str:
+        """The group of linear targets ``fqns`` (in this order), joined on first request; or,
+        when they cannot be, why not. A target that a graph already reads on its own, or that
+        belongs to another group, keeps its tensors."""
+        key = tuple(fqns)
+        if key in self.groups:
+            return self.groups[key]
+        members = [self.targets[f] for f in key]
+        for m in members:
+            if m.wired:
+                return f"{m.fqn} is already served on its own by a compiled graph"
+            if any(m.fqn in g.fqns for g in self.groups.values()):
+                return f"{m.fqn} already belongs to another group"
+        first = members[0].info
+        if any((m.info.kind, m.info.in_features, m.info.dtype, m.info.device) != ("linear", first.in_features, first.dtype, first.device) for m in members):
+            return "the modules differ in kind, input width, dtype or device"
+        self.groups[key] = group = PoolGroup(members)
+        return group
+
     # -- adapters ------------------------------------------------------------------------
     def load(self, adapter: LoraAdapter) -> int:
         """Copy ``adapter`` into a free slot; checks everything before writing anything."""
@@ -223,8 +280,7 @@ class AdapterPool:
                         "name it in target_modules when compiling"
                     )
         slot = free[0]
-        for target in self.targets.values():
-            target.write(slot, adapter)
+        self._write(slot, adapter)
         self.adapters[name], self.slot_of[name] = adapter, slot
         log.info("loaded adapter %r into slot %d", name, slot)
         return slot
@@ -234,9 +290,14 @@ class AdapterPool:
             raise AdapterError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
         slot = self.slot_of.pop(name)
         del self.adapters[name]
-        for target in self.targets.values():
-            target.write(slot, None)
+        self._write(slot, None)
         log.info("unloaded adapter %r from slot %d", name, slot)
+
+    def _write(self, slot: int, adapter: LoraAdapter | None) -> None:
+        for target in self.targets.values():
+            target.write(slot, adapter)
+        for group in self.groups.values():
+            group.refresh(slot)
 
     def slot_ids(self, adapter_names: Sequence[str | None]) -> list[int]:
         """Per-row slot ids; ``None`` rows get :data:`NO_ADAPTER`."""

@@ -11,6 +11,7 @@ import fxlora.kernels  # noqa: F401  (registers the fxlora:: ops the passes emit
 from fxlora.passes.annotate import annotate
 from fxlora.passes.batch_info import batch_info
 from fxlora.passes.context import PassContext
+from fxlora.passes.fuse import fuse
 from fxlora.passes.hoist import hoist
 from fxlora.passes.lora_embedding import lora_embedding
 from fxlora.passes.lora_linear import lora_linear
@@ -19,7 +20,7 @@ from fxlora.passes.specialize import specialize
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
-PIPELINE: list[Pass] = [annotate, lora_linear, lora_embedding, lora_moe, batch_info]
+PIPELINE: list[Pass] = [annotate, fuse, lora_linear, lora_embedding, lora_moe, batch_info]
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule | None, fx.GraphModule]:

@@ -21,4 +21,5 @@ class PassContext:
     inputs: list | None = None  # the real values of the graph's placeholders (Dynamo's example inputs)
 
     def note(self, line: str) -> None:
-        self.report.append(line)
+        if line not in self.report:  # passes that look at the same calls may say the same thing
+            self.report.append(line)

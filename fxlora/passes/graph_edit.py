@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
-from fxlora.adapters import PoolTarget
+from fxlora.adapters import PoolGroup, PoolTarget
 
 if TYPE_CHECKING:
     from fxlora.passes.context import PassContext
@@ -50,9 +50,10 @@ def base_calls(
         yield target, nodes[0]
 
 
-def pool_nodes(gm: fx.GraphModule, target: PoolTarget) -> list[fx.Node]:
-    """``get_attr`` nodes for one target's ``lora_a, lora_b, scaling, rank``; the pool's own
-    tensors become buffers of ``gm``, so in-place adapter loads reach the graph."""
+def pool_nodes(gm: fx.GraphModule, target: PoolTarget | PoolGroup) -> list[fx.Node]:
+    """``get_attr`` nodes for one target's (or group's) ``lora_a, lora_b, scaling, rank``; the
+    pool's own tensors become buffers of ``gm``, so in-place adapter loads reach the graph."""
+    target.wired = True
     stem = "fxlora_" + re.sub(r"\W", "_", target.fqn)
     nodes = []
     for field in ("lora_a", "lora_b", "scaling", "rank"):

@@ -2,7 +2,8 @@
 
 ``lora`` is the rewritten graph, without the regions a LoRA op replaced (``lora_moe``).
 ``nolora`` is a copy in which every LoRA op is put back to the base call it replaced (same
-target, same arguments), or to the output of the region it replaced, and every node the
+target, same arguments), or to the output of the region it replaced — a fused op's slices
+each to their member's call — and every node the
 LoRA passes added — the batch-info prologue, pool buffers, the slot-ids placeholder — is
 removed: it is the traced base computation, node for node, so it matches the unmodified
 model bit for bit. A graph without LoRA ops has no ``lora`` variant.
@@ -17,6 +18,7 @@ from fxlora.passes.graph_edit import ADDED, BASE_CALL, REGION_OUTPUT, REPLACED, 
 
 LORA_OPS = {
     torch.ops.fxlora.lora_linear.default,
+    torch.ops.fxlora.lora_linear_fused.default,
     torch.ops.fxlora.lora_embedding.default,
     torch.ops.fxlora.moe_lora.default,
 }
@@ -30,10 +32,10 @@ def specialize(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, fx.GraphModul
     copies: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, copies))
     for node in list(graph.nodes):
-        if node.target in LORA_OPS and REGION_OUTPUT in node.meta:
+        if REGION_OUTPUT in node.meta:
             node.replace_all_uses_with(copies[node.meta[REGION_OUTPUT]])
             graph.erase_node(node)
-        elif node.target in LORA_OPS:
+        elif BASE_CALL in node.meta:
             with graph.inserting_before(node):
                 base = graph.call_function(*base_call(node, copies))
             base.meta = {k: v for k, v in node.meta.items() if k != BASE_CALL}

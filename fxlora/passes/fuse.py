@@ -1,0 +1,97 @@
+"""fuse: targeted linears that read the same input become one ``fxlora::lora_linear_fused``.
+
+q, k and v read the same hidden states, as do gate and up, or MLA's ``q_a_proj`` and
+``kv_a_proj_with_mqa``. Each such set of ``F.linear`` calls of pool targets — same input node,
+same dtype — becomes one op that returns each member's own output: every member keeps its
+GEMM, and its factors are one slice of the multi-slice layout, so one shrink and one expand
+serve them all where each would launch its own. The pool joins the members' factors into that
+layout (:meth:`AdapterPool.join`); each member's users read its output from the op's list.
+
+For ``nolora`` each ``getitem`` remembers its member's base call, so ``specialize`` puts the
+members' own ``F.linear`` calls back. Runs before ``lora_linear``, which takes the linears
+left over. A set is left alone, and reported, when the pool cannot join it or when a
+member's weight is computed after the first member's call.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from fxlora.adapters import PoolTarget
+from fxlora.kernels.lora_linear import lora_workspace
+from fxlora.passes.annotate import LINEAR
+from fxlora.passes.batch_info import batch_info_for
+from fxlora.passes.context import PassContext
+from fxlora.passes.graph_edit import (
+    ADDED,
+    BASE_CALL,
+    base_calls,
+    call_arg,
+    fake_value,
+    meta_shape,
+    meta_value,
+    pool_nodes,
+)
+
+MAX_MEMBERS = 4  # the expands update at most four outputs (sgmv.MAX_SLICES); more make several groups
+
+
+def fuse(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    readers: dict[fx.Node, list[tuple[PoolTarget, fx.Node]]] = defaultdict(list)
+    for target, node in base_calls(gm, ctx, "linear", lambda n: n.target in LINEAR):
+        x, weight = call_arg(node, 0, "input"), call_arg(node, 1, "weight")
+        if isinstance(x, fx.Node) and meta_shape(weight) == (target.info.out_features, target.info.in_features):
+            readers[x].append((target, node))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for x, members in readers.items():
+        members.sort(key=lambda m: order[m[1]])
+        for i in range(0, len(members), MAX_MEMBERS):
+            if len(members[i : i + MAX_MEMBERS]) > 1:
+                _fuse(gm, ctx, x, members[i : i + MAX_MEMBERS])
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.Node]]) -> None:
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}  # as earlier groups left the graph
+    fqns = [t.fqn for t, _ in members]
+    first = members[0][1]
+    weights = [call_arg(n, 1, "weight") for _, n in members]
+    biases = [call_arg(n, 2, "bias") for _, n in members]
+    late = [a for a in weights + biases if isinstance(a, fx.Node) and position[a] > position[first]]
+    if any(a.op != "get_attr" for a in late):
+        ctx.note(f"not fused {', '.join(fqns)}: a weight is computed after the call of {fqns[0]}")
+        return
+    group = ctx.pool.join(fqns)
+    if isinstance(group, str):
+        ctx.note(f"not fused {', '.join(fqns)}: {group}")
+        return
+    for a in late:  # a parameter read: safe to read earlier
+        first.prepend(a)
+    graph = gm.graph
+    with graph.inserting_before(first):
+        pool = pool_nodes(gm, group)
+        workspace = graph.call_function(lora_workspace, (x, pool[0]))
+        fake_value(workspace, lambda xv: lora_workspace(xv, group.lora_a), x)
+        meta = batch_info_for(gm, ctx, x, feature_dims=1)
+        fused = graph.call_function(
+            torch.ops.fxlora.lora_linear_fused.default, (x, weights, biases, *pool, *meta, workspace)
+        )
+        fused.meta["fxlora_module"] = os.path.commonprefix([f + "." for f in fqns]).rpartition(".")[0]
+        fused.meta["example_value"] = [meta_value(n) for _, n in members]
+        parts = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(members))]
+    for (target, node), part in zip(members, parts, strict=True):
+        part.meta.update(node.meta)  # the member's traced value and module
+        part.meta[BASE_CALL] = (node.target, node.args, node.kwargs)
+        node.replace_all_uses_with(part)
+        graph.erase_node(node)
+        ctx.rewritten[target.fqn] = "fxlora::lora_linear_fused"
+    for n in (workspace, fused):
+        n.meta[ADDED] = True
+    ctx.note(f"fused {', '.join(fqns)}: one LoRA launch, slices {list(group.widths)}")
