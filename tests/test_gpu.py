@@ -60,7 +60,7 @@ def _expected(x, w, a, b, scaling, ranks, slot_ids):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens, rank", [(1, 16), (8, 64), (32, 16), (64, 16), (64, 64), (2048, 16), (2048, 64)])
+@pytest.mark.parametrize("tokens, rank", [(1, 16), (8, 64), (16, 64), (32, 16), (64, 16), (64, 64), (2048, 16), (2048, 64)])
 def test_lora_linear_at_real_sizes(tokens, rank, dtype):
     x, w, a, b, scaling, ranks = _case(tokens, 4096, 4096, 8, rank, dtype)
     slot_ids = torch.randint(-1, 8, (tokens,), device="cuda", dtype=torch.int32)

@@ -84,9 +84,10 @@ class ExpandConfig:
 
 def serves(tokens: int, max_rank: int) -> bool:
     """Whether ``lora_linear`` expands with this kernel rather than the segmented one. Each
-    token reads its own rows of ``B``, so it wins while tokens × rank is small: up to 32
-    tokens at rank 16, 8 at rank 64 (measured inside the op, weights from HBM, H100)."""
-    return tokens * max_rank <= 512
+    token reads its own rows of ``B``, so it wins while tokens × rank is small (up to 32
+    tokens at rank 16), and at ranks up to 64 with up to 16 tokens (measured inside the op,
+    weights from HBM, H100)."""
+    return tokens * max_rank <= 512 or (tokens <= 16 and max_rank <= 64)
 
 
 # Chosen from benchmarks/lora_tune.py on an H100 (bf16, N = 4096).
