@@ -241,8 +241,8 @@ class AdapterPool:
                 return f"{m.fqn} is already served on its own by a compiled graph"
             if any(m.fqn in g.fqns for g in self.groups.values()):
                 return f"{m.fqn} already belongs to another group"
-        first = members[0].info
-        if any((m.info.kind, m.info.in_features, m.info.dtype, m.info.device) != ("linear", first.in_features, first.dtype, first.device) for m in members):
+        shape = lambda info: (info.kind, info.in_features, info.dtype, info.device)  # noqa: E731
+        if any(shape(m.info) != ("linear", *shape(members[0].info)[1:]) for m in members):
             return "the modules differ in kind, input width, dtype or device"
         self.groups[key] = group = PoolGroup(members)
         return group

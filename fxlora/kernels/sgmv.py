@@ -260,7 +260,7 @@ def slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(starts, dtype=torch.int32, device=device)
 
 
-MAX_SLICES = 4
+MAX_SLICES = 4  # the expands take the first slice's pointer and three offsets from it
 
 
 def output_slices(
@@ -269,7 +269,7 @@ def output_slices(
     """The expands' outputs: one ``(T, sum(widths))`` tensor whose column slices they update,
     or one ``(T, width)`` tensor per slice (the members of a fused group, each its own output).
     Returns the first slice, the others' element offsets from it, every slice's row stride
-    (both padded to :data:`MAX_SLICES`) and the widths."""
+    (both padded with zeros to :data:`MAX_SLICES` slices) and the widths."""
     if isinstance(y, torch.Tensor):
         widths = widths or (y.shape[1],)
         starts = [sum(widths[:i]) for i in range(len(widths))]

@@ -94,4 +94,4 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
         ctx.rewritten[target.fqn] = "fxlora::lora_linear_fused"
     for n in (workspace, fused):
         n.meta[ADDED] = True
-    ctx.note(f"fused {', '.join(fqns)}: one LoRA launch, slices {list(group.widths)}")
+    ctx.note(f"fused {', '.join(fqns)}: one shrink and one expand, slices {list(group.widths)}")

@@ -2,8 +2,8 @@
 
 ``lora`` is the rewritten graph, without the regions a LoRA op replaced (``lora_moe``).
 ``nolora`` is a copy in which every LoRA op is put back to the base call it replaced (same
-target, same arguments), or to the output of the region it replaced — a fused op's slices
-each to their member's call — and every node the
+target, same arguments), or to the output of the region it replaced — each output of a fused
+op to its member's call — and every node the
 LoRA passes added — the batch-info prologue, pool buffers, the slot-ids placeholder — is
 removed: it is the traced base computation, node for node, so it matches the unmodified
 model bit for bit. A graph without LoRA ops has no ``lora`` variant.
