@@ -146,6 +146,8 @@ def test_pipeline_on_a_traced_model():
     assert "fxlora" not in captured["nolora"].code
     assert count(captured["nolora"], F.linear) == 2 * 7 + 1  # and lm_head
     assert set(ctx.rewritten) == set(pool.targets)
+    assert "fuse: 4 group(s) of linears that read one input, one shrink and one expand each: " \
+        "gate_proj + up_proj; q_proj + k_proj + v_proj" in ctx.report
     layer = "model.layers.0"
     assert set(pool.groups) >= {
         tuple(f"{layer}.self_attn.{p}_proj" for p in "qkv"),

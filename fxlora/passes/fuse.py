@@ -48,17 +48,23 @@ def fuse(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if isinstance(x, fx.Node) and meta_shape(weight) == (target.info.out_features, target.info.in_features):
             readers[x].append((target, node))
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    fused = []
     for x, members in readers.items():
         members.sort(key=lambda m: order[m[1]])
         for i in range(0, len(members), MAX_MEMBERS):
             if len(members[i : i + MAX_MEMBERS]) > 1:
-                _fuse(gm, ctx, x, members[i : i + MAX_MEMBERS])
+                fused += _fuse(gm, ctx, x, members[i : i + MAX_MEMBERS])
+    if fused:
+        kinds = sorted({" + ".join(f.rpartition(".")[2] for f in group) for group in fused})
+        ctx.note(f"fuse: {len(fused)} group(s) of linears that read one input, one shrink and one expand each: {'; '.join(kinds)}")
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.Node]]) -> None:
+def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.Node]]) -> list[tuple[str, ...]]:
+    """Replace ``members`` (graph order) by one fused op; returns ``[their names]``, or ``[]``
+    (and a note why) when they stay as they are."""
     position = {n: i for i, n in enumerate(gm.graph.nodes)}  # as earlier groups left the graph
     fqns = [t.fqn for t, _ in members]
     first = members[0][1]
@@ -67,11 +73,11 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
     late = [a for a in weights + biases if isinstance(a, fx.Node) and position[a] > position[first]]
     if any(a.op != "get_attr" for a in late):
         ctx.note(f"not fused {', '.join(fqns)}: a weight is computed after the call of {fqns[0]}")
-        return
+        return []
     group = ctx.pool.join(fqns)
     if isinstance(group, str):
         ctx.note(f"not fused {', '.join(fqns)}: {group}")
-        return
+        return []
     for a in late:  # a parameter read: safe to read earlier
         first.prepend(a)
     graph = gm.graph
@@ -94,4 +100,4 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
         ctx.rewritten[target.fqn] = "fxlora::lora_linear_fused"
     for n in (workspace, fused):
         n.meta[ADDED] = True
-    ctx.note(f"fused {', '.join(fqns)}: one shrink and one expand, slices {list(group.widths)}")
+    return [group.fqns]
