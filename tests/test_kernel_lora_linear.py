@@ -1,13 +1,17 @@
-"""fxlora::lora_linear's reference against the LoRA formula written token by token, and
-fxlora::lora_linear_fused's against its members served one at a time."""
+"""fxlora::lora_linear's reference against the LoRA formula written token by token,
+fxlora::lora_linear_fused's against its members served one at a time, and both ops' Triton
+implementations (on one stream: in Triton's interpreter without CUDA) against the references."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from lora_cases import DEVICE
 
 from fxlora.kernels import batch_info, lora_linear, lora_linear_fused
 from fxlora.kernels.lora_linear import lora_workspace
+from fxlora.kernels.triton_support import sgmv
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
 
@@ -116,3 +120,39 @@ def test_lora_linear_fused_keeps_leading_dims_and_fake():
     args = (x, [w, w[:2]], [b, None], *joint, *batch_info(slot_ids, x, 1, 2), lora_workspace(x, joint[0]))
     assert [y.shape for y in lora_linear_fused(*args)] == [(2, 3, 3), (2, 3, 2)]
     torch.library.opcheck(torch.ops.fxlora.lora_linear_fused.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(sgmv is None, reason="needs Triton")
+@pytest.mark.parametrize("per_row, max_rank", [(1, 16), (12, 16)], ids=["per_token_expand", "segmented_expand"])
+@given(
+    rows=st.integers(3, 5),
+    widths=st.lists(st.integers(1, 20), min_size=1, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    data=st.data(),
+)
+def test_triton_implementations_match_the_references(per_row, max_rank, rows, widths, dtype, data):
+    from fxlora.kernels import bgmv
+    from fxlora.kernels.lora_linear import lora_linear_fused_triton, lora_linear_triton
+
+    assert bgmv.serves(rows * per_row, max_rank) == (per_row == 1)
+    num_slots, d_in = 3, 24
+    slots = data.draw(st.lists(st.integers(-1, num_slots - 1), min_size=rows, max_size=rows))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    x = torch.randn(rows * per_row, d_in, generator=gen).to(dtype)
+    members = []
+    for width in widths:
+        ranks = data.draw(st.lists(st.integers(0, max_rank), min_size=num_slots, max_size=num_slots))
+        members.append(make_case(gen, 1, d_in, width, max_rank, ranks, slots, dtype)[1:7])
+    meta = batch_info(torch.tensor(slots, dtype=torch.int32), x, 1, num_slots)
+    weights, biases, a, bb, scaling, rank = zip(*members, strict=True)
+    joint = (torch.cat(a, 1), torch.cat(bb, 1), torch.stack(scaling, 1).flatten(), torch.stack(rank, 1).flatten())
+    fused = (x, list(weights), list(biases), *joint, *meta)
+    single = (x, *members[0], *meta)
+    expected = [lora_linear(*single, lora_workspace(x, members[0][2]))]  # on the host: the references
+    expected += lora_linear_fused(*fused, lora_workspace(x, joint[0]))
+    on = lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    single, fused = [on(t) for t in single], [on(t) if not isinstance(t, list) else [on(u) for u in t] for t in fused]
+    got = [lora_linear_triton(*single, lora_workspace(single[0], single[3]), overlap=False)]
+    got += lora_linear_fused_triton(*fused, lora_workspace(fused[0], fused[3]), overlap=False)
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out.cpu(), ref, **TOL[dtype])

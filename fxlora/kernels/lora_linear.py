@@ -185,13 +185,15 @@ def lora_linear_fused(
 
 
 def lora_linear_fused_triton(
-    x, weights, biases, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace
-):
-    """Every member's GEMM, then one shrink and one expand that update all their outputs."""
+    x, weights, biases, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace,
+    overlap: bool = True,
+):  # fmt: skip
+    """Every member's GEMM, then one shrink and one expand that update all their outputs
+    (``overlap`` as in :func:`lora_linear_triton`)."""
     base = lambda: [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # noqa: E731
     widths = tuple(w.shape[0] for w in weights)
     meta = (token_slot, sorted_tokens, seg_start, seg_len)
-    return _with_lora_delta(x, base, lora_a, lora_b, scaling, rank, *meta, workspace, True, widths)
+    return _with_lora_delta(x, base, lora_a, lora_b, scaling, rank, *meta, workspace, overlap, widths)
 
 
 if sgmv is not None:
