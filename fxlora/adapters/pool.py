@@ -117,7 +117,7 @@ class PoolGroup:
         self.wired = False
         self.widths = tuple(m.info.out_features for m in members)
         first = members[0]
-        slots, max_rank, in_features = first.lora_a.shape
+        slots, max_rank = first.lora_a.shape[:2]
         self.lora_a = torch.cat([m.lora_a for m in members], dim=1)
         self.lora_b = torch.cat([m.lora_b for m in members], dim=1)
         self.scaling = torch.zeros(slots * len(members), dtype=torch.float32, device=first.info.device)

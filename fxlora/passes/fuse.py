@@ -23,20 +23,10 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import PoolTarget
-from fxlora.kernels.lora_linear import lora_workspace
 from fxlora.passes.annotate import LINEAR
-from fxlora.passes.batch_info import batch_info_for
 from fxlora.passes.context import PassContext
-from fxlora.passes.graph_edit import (
-    ADDED,
-    BASE_CALL,
-    base_calls,
-    call_arg,
-    fake_value,
-    meta_shape,
-    meta_value,
-    pool_nodes,
-)
+from fxlora.passes.graph_edit import ADDED, BASE_CALL, base_calls, call_arg, meta_shape, meta_value
+from fxlora.passes.lora_linear import lora_operands
 
 MAX_MEMBERS = 4  # the expands update at most four outputs (sgmv.MAX_SLICES); more make several groups
 
@@ -82,12 +72,8 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
         first.prepend(a)
     graph = gm.graph
     with graph.inserting_before(first):
-        pool = pool_nodes(gm, group)
-        workspace = graph.call_function(lora_workspace, (x, pool[0]))
-        fake_value(workspace, lambda xv: lora_workspace(xv, group.lora_a), x)
-        meta = batch_info_for(gm, ctx, x, feature_dims=1)
         fused = graph.call_function(
-            torch.ops.fxlora.lora_linear_fused.default, (x, weights, biases, *pool, *meta, workspace)
+            torch.ops.fxlora.lora_linear_fused.default, (x, weights, biases, *lora_operands(gm, ctx, x, group))
         )
         fused.meta["fxlora_module"] = os.path.commonprefix([f + "." for f in fqns]).rpartition(".")[0]
         fused.meta["example_value"] = [meta_value(n) for _, n in members]
@@ -98,6 +84,5 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
         node.replace_all_uses_with(part)
         graph.erase_node(node)
         ctx.rewritten[target.fqn] = "fxlora::lora_linear_fused"
-    for n in (workspace, fused):
-        n.meta[ADDED] = True
+    fused.meta[ADDED] = True
     return [group.fqns]

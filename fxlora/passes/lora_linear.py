@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxlora.adapters import PoolGroup, PoolTarget
 from fxlora.kernels.lora_linear import lora_workspace
 from fxlora.passes.annotate import LINEAR, is_conv1d_addmm
 from fxlora.passes.batch_info import batch_info_for
@@ -38,12 +39,18 @@ def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if conv1d:
                 weight = gm.graph.call_function(torch.t, (weight,))
                 weight.meta[ADDED] = True
-            pool = pool_nodes(gm, target)
-            workspace = gm.graph.call_function(lora_workspace, (x, pool[0]))
-            workspace.meta[ADDED] = True
-            fake_value(workspace, lambda xv, a=target.lora_a: lora_workspace(xv, a), x)
-            args = (x, weight, bias, *pool, *batch_info_for(gm, ctx, x, feature_dims=1), workspace)
+            args = (x, weight, bias, *lora_operands(gm, ctx, x, target))
         replace_with(gm, node, torch.ops.fxlora.lora_linear.default, args)
         ctx.rewritten[fqn] = "fxlora::lora_linear"
     gm.recompile()
     return gm
+
+
+def lora_operands(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, factors: PoolTarget | PoolGroup) -> list[fx.Node]:
+    """What a linear LoRA op takes after its base operands, inserted at the current point:
+    the factors' pool buffers, the batch info of ``x``'s tokens and the shrink's workspace."""
+    pool = pool_nodes(gm, factors)
+    workspace = gm.graph.call_function(lora_workspace, (x, pool[0]))
+    workspace.meta[ADDED] = True
+    fake_value(workspace, lambda xv: lora_workspace(xv, factors.lora_a), x)
+    return [*pool, *batch_info_for(gm, ctx, x, feature_dims=1), workspace]
