@@ -2,11 +2,11 @@
 
 ``lora`` is the rewritten graph, without the regions a LoRA op replaced (``lora_moe``).
 ``nolora`` is a copy in which every LoRA op is put back to the base call it replaced (same
-target, same arguments), or to the output of the region it replaced — each output of a fused
-op to its member's call — and every node the
-LoRA passes added — the batch-info prologue, pool buffers, the slot-ids placeholder — is
-removed: it is the traced base computation, node for node, so it matches the unmodified
-model bit for bit. A graph without LoRA ops has no ``lora`` variant.
+target, same arguments; each output of a fused op to its member's call), or to the output of
+the region it replaced, and every node the LoRA passes added (the batch-info prologue, pool
+buffers, the slot-ids placeholder) is removed: it is the traced base computation, node for
+node, so it matches the unmodified model bit for bit. A graph without LoRA ops has no
+``lora`` variant.
 """
 
 from __future__ import annotations
