@@ -68,6 +68,7 @@ def main() -> None:
     ws = torch.empty(tokens, slices * rank, device="cuda")
     sliced = widths if slices > 1 else None
     y = F.linear(x, w)
+    shrink_config = sgmv.shrink_config(tokens, k, slices * rank, slices)  # as the op picks it: one GEMM
 
     def op(overlap=True):
         return lora_linear_triton(x, w, None, a, b, scaling, ranks, *meta, ws, overlap=overlap, slice_widths=sliced)
@@ -81,7 +82,7 @@ def main() -> None:
     parts = {
         "gemm": lambda: F.linear(x, w),
         "zero": ws.zero_,
-        "shrink": lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, slices, out=ws),
+        "shrink": lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, slices, shrink_config, out=ws),
         "expand": expand,
         "overlap": op,
         "serial": lambda: op(False),

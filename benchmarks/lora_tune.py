@@ -178,7 +178,7 @@ def in_context_case(tokens, rank, adapters, widths) -> None:
         for cfg in [sgmv.ShrinkConfig(16, bk, split, warps, block_r=br, num_stages=stages)]
     ]
     base = us(lambda: [torch.nn.functional.linear(cx, cw) for cx, cw, _ in copies]) / len(copies)
-    table = sgmv.shrink_config(tokens, 4096, slices * rank)
+    table = sgmv.shrink_config(tokens, 4096, slices * rank, slices)  # one GEMM for all slices
     print(
         f"T={tokens} r={rank} adapters={adapters} widths={widths} base {base:.1f}us (per op, weights from HBM), "
         f"table's choice {us(cold(table)) / len(copies):.1f}us {table}"

@@ -117,17 +117,21 @@ def lora_linear_triton(
     input, each with its own factors (the kernels' multi-slice layout)."""
     base = lambda: F.linear(x, weight, bias)  # noqa: E731
     meta = (token_slot, sorted_tokens, seg_start, seg_len)
-    return _with_lora_delta(x, base, lora_a, lora_b, scaling, rank, *meta, workspace, overlap, slice_widths)
+    return _with_lora_delta(x, base, lora_a, lora_b, scaling, rank, *meta, workspace, overlap, slice_widths, one_gemm=True)
 
 
 def _with_lora_delta(
-    x, base, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace, overlap, slice_widths
-):
+    x, base, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace, overlap,
+    slice_widths, one_gemm,
+):  # fmt: skip
     """``base()`` (the GEMM: one output, or one per slice) with the LoRA delta added in place
-    into its output(s)."""
+    into its output(s); ``one_gemm``: whether ``base`` is one GEMM launch for all slices."""
     x2 = x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
     slices = len(slice_widths or (None,))
-    shrink = lambda: sgmv.lora_shrink(x2, lora_a, rank, sorted_tokens, seg_start, seg_len, slices, out=workspace)  # noqa: E731
+    config = sgmv.shrink_config(x2.shape[0], x2.shape[1], lora_a.shape[1], slices if one_gemm else 1)
+    shrink = lambda: sgmv.lora_shrink(  # noqa: E731
+        x2, lora_a, rank, sorted_tokens, seg_start, seg_len, slices, config, out=workspace
+    )
     if bgmv.serves(x2.shape[0], lora_b.shape[-1]):
         expand = lambda y, v: bgmv.lora_expand(y, v, lora_b, scaling, rank, token_slot, slice_widths)  # noqa: E731
     else:
@@ -193,7 +197,7 @@ def lora_linear_fused_triton(
     base = lambda: [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # noqa: E731
     widths = tuple(w.shape[0] for w in weights)
     meta = (token_slot, sorted_tokens, seg_start, seg_len)
-    return _with_lora_delta(x, base, lora_a, lora_b, scaling, rank, *meta, workspace, overlap, widths)
+    return _with_lora_delta(x, base, lora_a, lora_b, scaling, rank, *meta, workspace, overlap, widths, one_gemm=False)
 
 
 if sgmv is not None:

@@ -218,12 +218,17 @@ class ExpandConfig:
 # the fused qkv shape): small token counts split the shrink's reduction widely so that enough
 # programs run; long runs of tokens read x once for all rank rows (several slices' worth) and
 # stream the expand's column tiles through each program.
-def shrink_config(tokens: int, k: int, ranks: int) -> ShrinkConfig:
+def shrink_config(tokens: int, k: int, ranks: int, gemm_slices: int = 1) -> ShrinkConfig:
+    """``gemm_slices``: how many output slices the base GEMM beside the shrink writes in one
+    launch (a fused ``qkv_proj``: 3; separate q, k and v GEMMs: 1)."""
     # Up to 64 tokens, chosen inside the whole op: the shrink runs beside the GEMM, which holds
     # nearly every SM, so at decode small programs (1-2 warps, shallow pipelines, at most 32
     # rank rows: little shared memory) win, many of them: they fit beside the GEMM's blocks.
-    # More rank rows (rank 64, several slices) take more programs, not bigger ones.
-    if tokens <= 8:
+    # More rank rows (rank 64, several slices) take more programs, not bigger ones. Beside one
+    # GEMM over several slices, 33-64 tokens too take one 256-wide step per program (as fast or
+    # faster for every such shape measured); single-slice GEMMs there differ by the kernel cuBLAS
+    # picks, which no shape tells.
+    if tokens <= 8 or (gemm_slices > 1 and 32 < tokens <= 64):
         return ShrinkConfig(16, 256, max(1, min(16, k // 256)), 2, block_r=32, num_stages=1)
     if tokens <= 64:
         return ShrinkConfig(16, 128, max(1, min(16, k // 128)), 1, block_r=32, num_stages=2)
