@@ -82,7 +82,7 @@ def sgmv_case(tokens, k, widths, rank, adapters) -> None:
     x, y, a, b, scaling, ranks, (_, order, start, length), v = case(tokens, k, widths, rank, adapters)
     slices, ranks_cols = len(widths), a.shape[1]
     print(f"sgmv T={tokens} K={k} widths={widths} r={rank} adapters={adapters}")
-    print("  default", sgmv.shrink_config(tokens, k, ranks_cols), sgmv.expand_config(tokens, rank, adapters))
+    print("  default", sgmv.shrink_config(tokens, k, ranks_cols), sgmv.expand_config(tokens, rank, adapters, slices))
     shrink = [
         (cfg, lambda cfg=cfg: sgmv.lora_shrink(x, a, ranks, order, start, length, slices, config=cfg))
         for bm, bk, split, warps, br in itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8, 16), (2, 4, 8), (64, 256))

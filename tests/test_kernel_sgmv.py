@@ -29,7 +29,7 @@ def test_shrink_expand_match_reference(data):
         label="shrink",
     )
     expand = data.draw(
-        st.none() | st.builds(sgmv.ExpandConfig, blocks, blocks, st.just(4), st.integers(1, 3), st.integers(1, 2)),
+        st.none() | st.builds(sgmv.ExpandConfig, blocks, blocks, st.just(4), st.sampled_from([1, 2, 3, 8]), st.integers(1, 2)),
         label="expand",
     )
     v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, len(c.widths), config=shrink)

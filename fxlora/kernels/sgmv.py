@@ -239,11 +239,13 @@ def shrink_config(tokens: int, k: int, ranks: int, gemm_slices: int = 1) -> Shri
     return ShrinkConfig(64, 64, max(1, min(8, k // 64)), 4)
 
 
-def expand_config(tokens: int, rank: int, slots: int = 1) -> ExpandConfig:
+def expand_config(tokens: int, rank: int, slots: int = 1, slices: int = 1) -> ExpandConfig:
     if tokens <= 512:
         return ExpandConfig(16, 256 if rank > 32 else 128, 4)
     if rank <= 32:
         return ExpandConfig(32, 64, 4, tiles=4, stages=2)
+    if slices > 1:  # several slices (fused qkv, MLA): more column tiles per program, fewer rows
+        return ExpandConfig(64, 64, 4, tiles=8, stages=2)
     if tokens >= 128 * slots:  # long segments: 128-row blocks read each B tile half as often
         return ExpandConfig(128, 64, 8, tiles=4, stages=2)
     return ExpandConfig(64, 64, 4, tiles=4, stages=2)
@@ -369,7 +371,7 @@ def lora_expand(
     tokens = y.shape[0]
     _, _, max_rank = lora_b.shape
     slots = seg_len.numel()
-    cfg = config or expand_config(tokens, max_rank, slots)
+    cfg = config or expand_config(tokens, max_rank, slots, len(widths))
     lora_b = rows_contiguous(lora_b)
     grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(max(widths), cfg.block_n * cfg.tiles), len(widths))
     _expand_kernel[grid](
