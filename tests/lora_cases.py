@@ -96,13 +96,14 @@ class Case:
         assert torch.equal(self.y.cpu()[untouched], self.y_host[untouched])
 
 
-def draw_case(data) -> Case:
+def draw_case(data, slots: tuple[int, int] = (1, 4)) -> Case:
     """Token counts 1..67, widths and inputs that are not multiples of the block sizes, ranks
-    up to 64 (some slots at 0), 1 to 3 slices, float32 / float16 (and bfloat16 on CUDA)."""
+    up to 64 (some slots at 0), 1 to 3 slices, float32 / float16 (and bfloat16 on CUDA);
+    ``slots``: the range of the pool's slot count."""
     tokens, d_in = data.draw(st.integers(1, 67), label="tokens"), data.draw(st.integers(1, 80), label="d_in")
     width = st.integers(1, 70) | st.integers(1, 8).map(lambda m: 8 * m)  # some aligned for 16-byte access
     widths = tuple(data.draw(st.lists(width, min_size=1, max_size=3), label="widths"))
-    max_rank, slots = data.draw(st.integers(1, 64), label="max_rank"), data.draw(st.integers(1, 4), label="slots")
+    max_rank, slots = data.draw(st.integers(1, 64), label="max_rank"), data.draw(st.integers(*slots), label="slots")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     slices = len(widths)
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))

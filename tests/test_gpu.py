@@ -72,6 +72,19 @@ def test_lora_linear_at_real_sizes(tokens, rank, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens, slots", [(37, 1000), (2048, 1000), (2048, 3000)])
+def test_lora_linear_with_a_large_pool(tokens, slots, dtype):
+    """More slots than the segment search reads in one step (two steps), most segments empty
+    or one token long: a decode pattern at prefill size."""
+    x, w, a, b, scaling, ranks = _case(tokens, 1024, 1024, slots, 16, dtype, seed=slots)
+    slot_ids = torch.randint(-1, slots, (tokens,), device="cuda", dtype=torch.int32)
+    out = lora_linear(x, w, None, a, b, scaling, ranks, *batch_info(slot_ids, x, 1, slots), lora_workspace(x, a))
+    ref = _expected(x, w, a, b, scaling, ranks, slot_ids)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [5, 64, 2048])
 @pytest.mark.parametrize("widths", [(4096, 1024, 1024), (1536, 576)], ids=["qkv", "mla"])
 @pytest.mark.parametrize("members", [False, True], ids=["one_output", "fused_members"])

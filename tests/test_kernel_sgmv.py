@@ -38,6 +38,18 @@ def test_shrink_expand_match_reference(data):
     c.check()
 
 
+@settings(max_examples=8)
+@given(data=st.data())
+def test_large_pools_match_reference(data):
+    """Pools of more slots than the segment search reads at once, so it takes two steps;
+    most segments are empty or one token long."""
+    c = draw_case(data, slots=(65, 130))
+    v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, len(c.widths))
+    y = c.outputs(data)
+    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.widths)
+    c.check()
+
+
 def test_column_align():
     """The alignment the expands assume divides every slice's width and first column."""
     assert sgmv.column_align((4096, 1024, 1024)) == 16

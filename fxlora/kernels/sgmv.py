@@ -50,22 +50,45 @@ from triton.language.extra.cuda import gdc_wait
 
 @triton.jit
 def _segment_block(
-    pid, seg_len, seg_slot, num_slots, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, INDIRECT: tl.constexpr
+    pid, seg_start, seg_len, seg_slot, num_slots, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+    INDIRECT: tl.constexpr, FANOUT: tl.constexpr = 64,
 ):
     """Which segment's tokens, which block of them, and which adapter's factors program ``pid``
-    handles: ``(seg, slot, block, length)``, ``seg == num_slots`` when there is none."""
-    offs = tl.arange(0, SLOTS_P2)
-    lens = tl.load(seg_len + offs, mask=offs < num_slots, other=0)
-    blocks = (lens + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(blocks, 0)
-    seg = tl.sum((ends <= pid).to(tl.int32), 0)
-    first = tl.sum(tl.where(offs == seg, ends - blocks, 0), 0)
-    length = tl.sum(tl.where(offs == seg, lens, 0), 0)
+    handles: ``(seg, slot, block, start, length)``, ``seg == num_slots`` when there is none.
+
+    Segment ``i``'s blocks are the programs from ``first(i) = i + seg_start[i] // BLOCK_M`` on.
+    Segments lie in order in ``sorted_tokens`` from its start, so ``first`` strictly increases with ``i``, one
+    segment's blocks end before the next one's first, and every program id stays below
+    ``cdiv(T, BLOCK_M) + num_slots``. Program ``pid`` belongs to the last segment whose first
+    program is at most ``pid``. Up to ``FANOUT`` slots one vector load finds it; beyond, a first
+    load of every ``SLOTS_P2 // FANOUT``-th start narrows the search to one stretch, so no
+    program reads every segment of a large pool."""
+    if SLOTS_P2 > FANOUT:
+        STEP: tl.constexpr = SLOTS_P2 // FANOUT
+        coarse = tl.arange(0, FANOUT) * STEP
+        ok = coarse < num_slots
+        firsts = coarse + tl.load(seg_start + coarse, mask=ok, other=0) // BLOCK_M
+        lo = (tl.sum((ok & (firsts <= pid)).to(tl.int32), 0) - 1) * STEP  # first(0) == 0 <= pid
+        WIDTH: tl.constexpr = STEP
+    else:
+        lo = 0
+        WIDTH: tl.constexpr = SLOTS_P2
+    offs = lo + tl.arange(0, WIDTH)
+    ok = offs < num_slots
+    starts = tl.load(seg_start + offs, mask=ok, other=0)
+    lens = tl.load(seg_len + offs, mask=ok, other=0)
+    firsts = offs + starts // BLOCK_M
+    seg = lo + tl.sum((ok & (firsts <= pid)).to(tl.int32), 0) - 1
+    pick = offs == seg
+    block = pid - tl.sum(tl.where(pick, firsts, 0), 0)
+    start = tl.sum(tl.where(pick, starts, 0), 0)
+    length = tl.sum(tl.where(pick, lens, 0), 0)
+    seg = tl.where(block * BLOCK_M < length, seg, num_slots)
     if INDIRECT:  # a compact segment list: each segment names the adapter it reads
         slot = tl.load(seg_slot + seg, mask=seg < num_slots, other=0)
     else:
         slot = seg
-    return seg, slot, pid - first, length
+    return seg, slot, block, start, length
 
 
 @triton.jit
@@ -108,12 +131,11 @@ def _shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, INDIRECT: tl.constexpr,
 ):
-    seg, slot, block, length = _segment_block(tl.program_id(0), seg_len_ptr, seg_slot_ptr, num_slots, SLOTS_P2, BLOCK_M, INDIRECT)
+    seg, slot, block, start, length = _segment_block(tl.program_id(0), seg_start_ptr, seg_len_ptr, seg_slot_ptr, num_slots, SLOTS_P2, BLOCK_M, INDIRECT)
     if seg >= num_slots:
         return
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < length
-    start = tl.load(seg_start_ptr + seg)
     tokens = tl.load(sorted_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     slice_rank = tl.load(rank_ptr + slot * NUM_SLICES + r // MAX_RANK, mask=r < RANKS, other=0)
@@ -157,7 +179,7 @@ def _expand_kernel(
         gdc_wait()
     # row blocks from the last: the rows of y the GEMM wrote last are the likeliest still in L2
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    seg, slot, block, length = _segment_block(pid, seg_len_ptr, seg_slot_ptr, num_slots, SLOTS_P2, BLOCK_M, INDIRECT)
+    seg, slot, block, start, length = _segment_block(pid, seg_start_ptr, seg_len_ptr, seg_slot_ptr, num_slots, SLOTS_P2, BLOCK_M, INDIRECT)
     if seg >= num_slots:
         return
     sl = tl.program_id(2)
@@ -169,7 +191,6 @@ def _expand_kernel(
         return
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < length
-    start = tl.load(seg_start_ptr + seg)
     tokens = tl.load(sorted_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
