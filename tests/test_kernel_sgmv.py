@@ -38,12 +38,12 @@ def test_shrink_expand_match_reference(data):
     c.check()
 
 
-@settings(max_examples=8)
+@settings(max_examples=5)
 @given(data=st.data())
 def test_large_pools_match_reference(data):
     """Pools of more slots than the segment search reads at once, so it takes two steps;
     most segments are empty or one token long."""
-    c = draw_case(data, slots=(65, 130))
+    c = draw_case(data, slots=(65, 100))
     v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, len(c.widths))
     y = c.outputs(data)
     sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.widths)

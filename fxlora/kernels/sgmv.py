@@ -56,13 +56,15 @@ def _segment_block(
     """Which segment's tokens, which block of them, and which adapter's factors program ``pid``
     handles: ``(seg, slot, block, start, length)``, ``seg == num_slots`` when there is none.
 
-    Segment ``i``'s blocks are the programs from ``first(i) = i + seg_start[i] // BLOCK_M`` on.
-    Segments lie in order in ``sorted_tokens`` from its start, so ``first`` strictly increases with ``i``, one
-    segment's blocks end before the next one's first, and every program id stays below
-    ``cdiv(T, BLOCK_M) + num_slots``. Program ``pid`` belongs to the last segment whose first
-    program is at most ``pid``. Up to ``FANOUT`` slots one vector load finds it; beyond, a first
-    load of every ``SLOTS_P2 // FANOUT``-th start narrows the search to one stretch, so no
-    program reads every segment of a large pool."""
+    In a pool of up to ``FANOUT`` slots the segments' blocks are numbered back to back (a sum
+    over every segment's block count), so the busy programs come first: at decode that is
+    faster than leaving gaps between them (qkv at 64 tokens with 4 adapters: 5.0 against 6.5
+    µs on an H100). A larger pool cannot afford that sum in every program. There segment
+    ``i``'s blocks begin at program ``i + seg_start[i] // BLOCK_M``: the segments lie in order
+    in ``sorted_tokens`` from its start, so that grows with ``i``, one segment's blocks end
+    before the next one's begin, and every program id stays below ``cdiv(T, BLOCK_M) +
+    num_slots``. A first load of every ``SLOTS_P2 // FANOUT``-th start picks the stretch that
+    holds ``pid``'s segment and a second finds it: no program reads every segment."""
     if SLOTS_P2 > FANOUT:
         STEP: tl.constexpr = SLOTS_P2 // FANOUT
         coarse = tl.arange(0, FANOUT) * STEP
@@ -77,8 +79,13 @@ def _segment_block(
     ok = offs < num_slots
     starts = tl.load(seg_start + offs, mask=ok, other=0)
     lens = tl.load(seg_len + offs, mask=ok, other=0)
-    firsts = offs + starts // BLOCK_M
-    seg = lo + tl.sum((ok & (firsts <= pid)).to(tl.int32), 0) - 1
+    if SLOTS_P2 > FANOUT:  # the last segment whose first program is at most pid
+        firsts = offs + starts // BLOCK_M
+        seg = lo + tl.sum((ok & (firsts <= pid)).to(tl.int32), 0) - 1
+    else:  # the last non-empty segment whose first program is at most pid
+        blocks = (lens + BLOCK_M - 1) // BLOCK_M
+        firsts = tl.cumsum(blocks, 0) - blocks
+        seg = tl.max(tl.where(ok & (firsts <= pid) & (blocks > 0), offs, 0), 0)
     pick = offs == seg
     block = pid - tl.sum(tl.where(pick, firsts, 0), 0)
     start = tl.sum(tl.where(pick, starts, 0), 0)
