@@ -125,24 +125,30 @@ import collections, importlib, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, name, signature, constexprs, num_warps = json.loads(sys.argv[1])
+module, name, signature, constexprs, options, multiples = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 for k in constexprs:
     signature[k] = "constexpr"
 names = list(signature)
-aligned = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if k.endswith("_ptr") or k.startswith(("stride", "y_off"))}
+aligned = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if k.endswith("_ptr") or k.startswith(("stride", "y_off")) or k in multiples}
 src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=aligned)
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 print(json.dumps(collections.Counter(re.findall(r"(?:ld|st)\\.global[.\\w]*|cp\\.async\\.cg", ptx))))
 """
 
 
-def ptx_memory_ops(module: str, kernel: str, signature: dict, constexprs: dict, num_warps: int = 4) -> dict:
+def ptx_memory_ops(
+    module: str, kernel: str, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+    multiples: tuple[str, ...] = (),
+) -> dict:
     """How often each global load / store instruction appears in ``kernel``'s PTX, compiled
-    for sm_90 (no GPU needed) with 16-byte aligned pointers, strides and offsets. A fresh interpreter
-    compiles it: with ``TRITON_INTERPRET`` set the kernels here are Triton's interpreted ones."""
+    for sm_90 (no GPU needed) with 16-byte aligned pointers, strides and offsets, and the integer
+    arguments named in ``multiples`` multiples of 16 (as Triton specialises them at run time when
+    they are, e.g. 4096 features). A fresh interpreter compiles it: with ``TRITON_INTERPRET`` set
+    the kernels here are Triton's interpreted ones."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = json.dumps([module, kernel, signature, constexprs, num_warps])
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    args = json.dumps([module, kernel, signature, constexprs, options, list(multiples)])
     done = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, args], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"compiling {module}.{kernel} for sm_90 failed:\n{done.stderr[-2000:]}")

@@ -72,3 +72,23 @@ def test_expand_moves_16_bytes_at_a_time():
     ops = ptx_memory_ops("fxlora.kernels.sgmv", "_expand_kernel", signature, constexprs)
     assert not any(op.endswith((".b16", ".b8")) for op in ops), ops
     assert ops.get("cp.async.cg", 0) + ops.get("ld.global.v4.b32", 0) > 0 and ops.get("st.global.v4.b32", 0) > 0, ops
+
+
+@pytest.mark.parametrize("tokens, slots", [(32, 16), (2048, 2048)], ids=["decode", "prefill_large_pool"])
+def test_shrink_moves_16_bytes_at_a_time(tokens, slots):
+    """With 4096 features (a multiple of 16, which Triton specialises on) the shrink loads ``x``
+    and ``A`` 16 bytes at a time in the code compiled for Hopper, with its launch parameters for
+    the token count; only the batch info is read in 4-byte words."""
+    signature = {"x_ptr": "*bf16", "a_ptr": "*bf16", "v_ptr": "*fp32"}
+    signature.update(dict.fromkeys(["rank_ptr", "sorted_ptr", "seg_start_ptr", "seg_len_ptr", "seg_slot_ptr"], "*i32"))
+    signature.update(dict.fromkeys(["num_slots", "K", "RANKS", "stride_xt", "stride_as", "stride_ar", "stride_vt"], "i32"))
+    cfg = sgmv.shrink_config(tokens, 4096, 16)
+    constexprs = dict(
+        MAX_RANK=16, NUM_SLICES=1, SLOTS_P2=slots, BLOCK_M=cfg.block_m, BLOCK_R=16, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, IEEE=False, INDIRECT=False,
+    )
+    ops = ptx_memory_ops(
+        "fxlora.kernels.sgmv", "_shrink_kernel", signature, constexprs, cfg.num_warps, cfg.num_stages, ("K", "RANKS")
+    )
+    assert set(ops) <= {"cp.async.cg", "ld.global.b32", "ld.global.v4.b32"}, ops
+    assert ops.get("cp.async.cg", 0) + ops.get("ld.global.v4.b32", 0) > 0, ops
