@@ -64,7 +64,7 @@ def main() -> None:
     ranks = torch.full((adapters * slices,), rank, dtype=torch.int32, device="cuda")
     slot_ids = (torch.arange(tokens, device="cuda") % adapters).int()
     slot_ids = slot_ids[torch.randperm(tokens, device="cuda", generator=gen)]
-    token_slot, order, start, length = meta = batch_info(slot_ids, x, 1, adapters)
+    token_slot, order, start, length, seg_slot = meta = batch_info(slot_ids, x, 1, adapters)
     ws = torch.empty(tokens, slices * rank, device="cuda")
     sliced = widths if slices > 1 else None
     y = F.linear(x, w)
@@ -77,12 +77,12 @@ def main() -> None:
         if bgmv.serves(tokens, rank):
             bgmv.lora_expand(y, ws, b, scaling, ranks, token_slot, sliced)
         else:
-            sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length, sliced)
+            sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length, seg_slot, sliced)
 
     parts = {
         "gemm": lambda: F.linear(x, w),
         "zero": ws.zero_,
-        "shrink": lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, slices, shrink_config, out=ws),
+        "shrink": lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, seg_slot, slices, shrink_config, out=ws),
         "expand": expand,
         "overlap": op,
         "serial": lambda: op(False),

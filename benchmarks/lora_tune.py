@@ -79,19 +79,19 @@ def tune_bgmv() -> None:
 
 
 def sgmv_case(tokens, k, widths, rank, adapters) -> None:
-    x, y, a, b, scaling, ranks, (_, order, start, length), v = case(tokens, k, widths, rank, adapters)
+    x, y, a, b, scaling, ranks, (_, order, start, length, seg_slot), v = case(tokens, k, widths, rank, adapters)
     slices, ranks_cols = len(widths), a.shape[1]
     print(f"sgmv T={tokens} K={k} widths={widths} r={rank} adapters={adapters}")
     print("  default", sgmv.shrink_config(tokens, k, ranks_cols), sgmv.expand_config(tokens, rank, adapters, slices))
     shrink = [
-        (cfg, lambda cfg=cfg: sgmv.lora_shrink(x, a, ranks, order, start, length, slices, config=cfg))
+        (cfg, lambda cfg=cfg: sgmv.lora_shrink(x, a, ranks, order, start, length, seg_slot, slices, config=cfg))
         for bm, bk, split, warps, br in itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8, 16), (2, 4, 8), (64, 256))
         if bm <= max(16, tokens) and split * bk <= k and br <= max(64, ranks_cols)
         for cfg in [sgmv.ShrinkConfig(bm, bk, split, warps, br)]
     ]
     best("shrink", shrink)
     expand = [
-        (cfg, lambda cfg=cfg: sgmv.lora_expand(y, v, b, scaling, ranks, order, start, length, widths, config=cfg))
+        (cfg, lambda cfg=cfg: sgmv.lora_expand(y, v, b, scaling, ranks, order, start, length, seg_slot, widths, config=cfg))
         for bm, bn, (tiles, stages), warps in itertools.product(
             (16, 32, 64, 128), (64, 128, 256), ((1, 2), (4, 2), (4, 3), (8, 2), (16, 2)), (4, 8)
         )
@@ -135,7 +135,7 @@ def in_context() -> None:
 
 
 def _op_parts(tokens, adapters, rank, widths=(4096,)):
-    x, _, a, b, scaling, ranks, (slot, order, start, length), _ = case(tokens, 4096, widths, rank, adapters)
+    x, _, a, b, scaling, ranks, (slot, order, start, length, seg_slot), _ = case(tokens, 4096, widths, rank, adapters)
     w = torch.randn(sum(widths), 4096, device="cuda").bfloat16()
     ws = torch.empty(tokens, len(widths) * rank, device="cuda")
     side = torch.cuda.Stream()
@@ -150,23 +150,23 @@ def _op_parts(tokens, adapters, rank, widths=(4096,)):
         main.wait_stream(side)
         expand(y)
 
-    return x, w, a, b, scaling, ranks, (slot, order, start, length), ws, op
+    return x, w, a, b, scaling, ranks, (slot, order, start, length, seg_slot), ws, op
 
 
 def in_context_case(tokens, rank, adapters, widths) -> None:
-    x, w, a, b, scaling, ranks, (slot, order, start, length), ws, op = _op_parts(tokens, adapters, rank, widths)
+    x, w, a, b, scaling, ranks, (slot, order, start, length, seg_slot), ws, op = _op_parts(tokens, adapters, rank, widths)
     slices = len(widths)
     copies = [(x.clone(), w.clone(), a.clone()) for _ in range(-(-(200 << 20) // w.nbytes))]
     sliced = widths if slices > 1 else None
     if bgmv.serves(tokens, rank):
         expand = lambda y: bgmv.lora_expand(y, ws, b, scaling, ranks, slot, sliced)  # noqa: E731
     else:
-        expand = lambda y: sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length, sliced)  # noqa: E731
+        expand = lambda y: sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length, seg_slot, sliced)  # noqa: E731
 
     def cold(cfg):
         def run():
             for cx, cw, ca in copies:
-                shrink = lambda: sgmv.lora_shrink(cx, ca, ranks, order, start, length, slices, cfg, out=ws)  # noqa: E731,B023
+                shrink = lambda: sgmv.lora_shrink(cx, ca, ranks, order, start, length, seg_slot, slices, cfg, out=ws)  # noqa: E731,B023
                 op(shrink, expand, cx, cw)
 
         return run
@@ -187,11 +187,11 @@ def in_context_case(tokens, rank, adapters, widths) -> None:
 
 
 def switch_case(tokens, adapters, rank) -> None:
-    x, w, a, b, scaling, ranks, (slot, order, start, length), ws, op = _op_parts(tokens, adapters, rank)
-    shrink = lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, out=ws)  # noqa: E731
+    x, w, a, b, scaling, ranks, (slot, order, start, length, seg_slot), ws, op = _op_parts(tokens, adapters, rank)
+    shrink = lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, seg_slot, out=ws)  # noqa: E731
     expands = {
         "bgmv": lambda y: bgmv.lora_expand(y, ws, b, scaling, ranks, slot),
-        "sgmv": lambda y: sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length),
+        "sgmv": lambda y: sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length, seg_slot),
     }
     cells = [f"base {us(lambda: torch.nn.functional.linear(x, w)):.1f}"]
     cells += [f"{name} {us(lambda: op(shrink, expand)):.1f}" for name, expand in expands.items()]  # noqa: B023

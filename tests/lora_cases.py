@@ -72,6 +72,7 @@ class Case:
     sorted_tokens: torch.Tensor
     seg_start: torch.Tensor
     seg_len: torch.Tensor
+    seg_slot: torch.Tensor
     widths: tuple[int, ...]
     dtype: torch.dtype
     y_host: torch.Tensor
@@ -96,11 +97,11 @@ class Case:
         assert torch.equal(self.y.cpu()[untouched], self.y_host[untouched])
 
 
-def draw_case(data, slots: tuple[int, int] = (1, 4)) -> Case:
+def draw_case(data, slots: tuple[int, int] = (1, 4), tokens: tuple[int, int] = (1, 67)) -> Case:
     """Token counts 1..67, widths and inputs that are not multiples of the block sizes, ranks
     up to 64 (some slots at 0), 1 to 3 slices, float32 / float16 (and bfloat16 on CUDA);
-    ``slots``: the range of the pool's slot count."""
-    tokens, d_in = data.draw(st.integers(1, 67), label="tokens"), data.draw(st.integers(1, 80), label="d_in")
+    ``slots`` and ``tokens``: the ranges of the pool's slot count and of the token count."""
+    tokens, d_in = data.draw(st.integers(*tokens), label="tokens"), data.draw(st.integers(1, 80), label="d_in")
     width = st.integers(1, 70) | st.integers(1, 8).map(lambda m: 8 * m)  # some aligned for 16-byte access
     widths = tuple(data.draw(st.lists(width, min_size=1, max_size=3), label="widths"))
     max_rank, slots = data.draw(st.integers(1, 64), label="max_rank"), data.draw(st.integers(*slots), label="slots")

@@ -10,10 +10,27 @@ from fxlora.kernels import batch_info
 from fxlora.kernels.batch_info import compact_segments
 
 
+def check_segments(slots: list[int], sorted_tokens, seg_start, seg_len, seg_slot, num_slots: int) -> None:
+    """The compact segment list's contract: ``min(T, num_slots)`` entries, one segment per slot
+    present in slot order, each its slot's tokens in order, no-adapter tokens last."""
+    entries = min(len(slots), num_slots)
+    assert all(t.shape == (entries,) and t.dtype == torch.int32 for t in (seg_start, seg_len, seg_slot))
+    assert sorted(sorted_tokens.tolist()) == list(range(len(slots)))
+    present = sorted({s for s in slots if s >= 0})
+    used = int((seg_len > 0).sum())
+    assert seg_slot[:used].tolist() == present and (seg_len[used:] == 0).all()
+    for start, length, slot in zip(seg_start[:used].tolist(), seg_len[:used].tolist(), present):
+        assert sorted_tokens[start : start + length].tolist() == [t for t, s in enumerate(slots) if s == slot]  # stable
+    covered = int(seg_len.sum())
+    assert all(slots[t] == -1 for t in sorted_tokens[covered:].tolist())
+    starts = seg_start.tolist()
+    assert starts == sorted(starts) and max(starts, default=0) <= len(slots)  # the kernels' search relies on it
+
+
 @given(
     rows=st.integers(1, 6),
     per_row=st.integers(1, 5),
-    num_slots=st.integers(1, 5),
+    num_slots=st.integers(1, 40),
     data=st.data(),
     flat=st.booleans(),
 )
@@ -21,14 +38,9 @@ def test_batch_info_groups_tokens_by_slot(rows, per_row, num_slots, data, flat):
     slots = data.draw(st.lists(st.integers(-1, num_slots - 1), min_size=rows, max_size=rows))
     slot_ids = torch.tensor(slots, dtype=torch.int32)
     tokens = torch.empty(rows * per_row, 7) if flat else torch.empty(rows, per_row, 7)
-    token_slot, sorted_tokens, seg_start, seg_len = batch_info(slot_ids, tokens, 1, num_slots)
+    token_slot, *segments = batch_info(slot_ids, tokens, 1, num_slots)
     assert token_slot.tolist() == [s for s in slots for _ in range(per_row)]
-    assert sorted(sorted_tokens.tolist()) == list(range(rows * per_row))
-    for s in range(num_slots):
-        segment = sorted_tokens[seg_start[s] : seg_start[s] + seg_len[s]].tolist()
-        assert segment == [t for t in range(rows * per_row) if token_slot[t] == s]  # stable
-    covered = int(seg_len.sum())
-    assert all(token_slot[t] == -1 for t in sorted_tokens[covered:].tolist())  # no-adapter tokens last
+    check_segments(token_slot.tolist(), *segments, num_slots)
 
 
 def test_batch_info_of_token_ids():
@@ -51,14 +63,5 @@ def test_batch_info_schema_and_fake():
 
 
 @given(st.lists(st.integers(-1, 40), min_size=1, max_size=50), st.integers(41, 600))
-def test_compact_segments_cover_each_token_once(slots, num_slots):
-    token_slot = torch.tensor(slots, dtype=torch.int32)
-    sorted_tokens, seg_start, seg_len, seg_slot = compact_segments(token_slot, num_slots)
-    assert all(t.shape == (len(slots),) for t in (sorted_tokens, seg_start, seg_len, seg_slot))
-    seen = []
-    for start, length, slot in zip(seg_start.tolist(), seg_len.tolist(), seg_slot.tolist()):
-        members = sorted_tokens[start : start + length].tolist()
-        assert all(slots[t] == slot for t in members)
-        seen += members
-    assert sorted(seen) == [t for t, s in enumerate(slots) if s >= 0]
-    assert (seg_len > 0).sum() == len({s for s in slots if s >= 0})  # one segment per slot present
+def test_compact_segments_of_a_large_pool(slots, num_slots):
+    check_segments(slots, *compact_segments(torch.tensor(slots, dtype=torch.int32), num_slots), num_slots)

@@ -17,7 +17,7 @@ sgmv = pytest.importorskip("fxlora.kernels.sgmv")
 def test_expand_matches_reference(data):
     c = draw_case(data)
     expand = data.draw(st.none() | st.builds(bgmv.ExpandConfig, st.sampled_from([16, 32]), st.just(4)), label="expand")
-    v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, len(c.widths))
+    v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, len(c.widths))
     bgmv.lora_expand(c.outputs(data), v, c.b, c.scaling, c.rank, c.token_slot, c.widths, config=expand)
     c.check()
 

@@ -32,21 +32,21 @@ def test_shrink_expand_match_reference(data):
         st.none() | st.builds(sgmv.ExpandConfig, blocks, blocks, st.just(4), st.sampled_from([1, 2, 3, 8]), st.integers(1, 2)),
         label="expand",
     )
-    v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, len(c.widths), config=shrink)
+    v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, len(c.widths), config=shrink)
     y = c.outputs(data)
-    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.widths, config=expand)
+    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, c.widths, config=expand)
     c.check()
 
 
 @settings(max_examples=5)
 @given(data=st.data())
-def test_large_pools_match_reference(data):
-    """Pools of more slots than the segment search reads at once, so it takes two steps;
-    most segments are empty or one token long."""
-    c = draw_case(data, slots=(65, 100))
-    v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, len(c.widths))
+def test_long_segment_lists_match_reference(data):
+    """Segment lists longer than the search reads at once (more tokens and more slots than 64),
+    so it takes two steps; most segments are one token long."""
+    c = draw_case(data, slots=(65, 100), tokens=(65, 100))
+    v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, len(c.widths))
     y = c.outputs(data)
-    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.widths)
+    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, c.widths)
     c.check()
 
 
@@ -64,28 +64,28 @@ def test_expand_moves_16_bytes_at_a_time():
     wide in the code compiled for Hopper (2-byte ones made it several times slower)."""
     signature = dict.fromkeys(["rank_ptr", "slice_start_ptr", "sorted_ptr", "seg_start_ptr", "seg_len_ptr", "seg_slot_ptr"], "*i32")
     signature = {"y_ptr": "*bf16", "v_ptr": "*fp32", "b_ptr": "*bf16", "scaling_ptr": "*fp32", **signature}
-    signature.update(dict.fromkeys(["num_slots", *["y_off1", "y_off2", "y_off3", "stride_y0", "stride_y1", "stride_y2", "stride_y3", "stride_vt", "stride_bs", "stride_bn"]], "i32"))
+    signature.update(dict.fromkeys(["num_segs", *["y_off1", "y_off2", "y_off3", "stride_y0", "stride_y1", "stride_y2", "stride_y3", "stride_vt", "stride_bs", "stride_bn"]], "i32"))
     constexprs = dict(
-        MAX_RANK=16, NUM_SLICES=3, SLOTS_P2=4, BLOCK_M=32, BLOCK_N=64, BLOCK_R=16, TILES=4, STAGES=2,
-        ALIGN=sgmv.column_align((4096, 1024, 1024)), IEEE=False, INDIRECT=False, PDL=True,
+        MAX_RANK=16, NUM_SLICES=3, SEGS_P2=4, BLOCK_M=32, BLOCK_N=64, BLOCK_R=16, TILES=4, STAGES=2,
+        ALIGN=sgmv.column_align((4096, 1024, 1024)), IEEE=False, PDL=True,
     )
     ops = ptx_memory_ops("fxlora.kernels.sgmv", "_expand_kernel", signature, constexprs)
     assert not any(op.endswith((".b16", ".b8")) for op in ops), ops
     assert ops.get("cp.async.cg", 0) + ops.get("ld.global.v4.b32", 0) > 0 and ops.get("st.global.v4.b32", 0) > 0, ops
 
 
-@pytest.mark.parametrize("tokens, slots", [(32, 16), (2048, 2048)], ids=["decode", "prefill_large_pool"])
-def test_shrink_moves_16_bytes_at_a_time(tokens, slots):
+@pytest.mark.parametrize("tokens, segs", [(32, 16), (2048, 2048)], ids=["decode", "prefill_long_segment_list"])
+def test_shrink_moves_16_bytes_at_a_time(tokens, segs):
     """With 4096 features (a multiple of 16, which Triton specialises on) the shrink loads ``x``
     and ``A`` 16 bytes at a time in the code compiled for Hopper, with its launch parameters for
     the token count; only the batch info is read in 4-byte words."""
     signature = {"x_ptr": "*bf16", "a_ptr": "*bf16", "v_ptr": "*fp32"}
     signature.update(dict.fromkeys(["rank_ptr", "sorted_ptr", "seg_start_ptr", "seg_len_ptr", "seg_slot_ptr"], "*i32"))
-    signature.update(dict.fromkeys(["num_slots", "K", "RANKS", "stride_xt", "stride_as", "stride_ar", "stride_vt"], "i32"))
+    signature.update(dict.fromkeys(["num_segs", "K", "RANKS", "stride_xt", "stride_as", "stride_ar", "stride_vt"], "i32"))
     cfg = sgmv.shrink_config(tokens, 4096, 16)
     constexprs = dict(
-        MAX_RANK=16, NUM_SLICES=1, SLOTS_P2=slots, BLOCK_M=cfg.block_m, BLOCK_R=16, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, IEEE=False, INDIRECT=False,
+        MAX_RANK=16, NUM_SLICES=1, SEGS_P2=segs, BLOCK_M=cfg.block_m, BLOCK_R=16, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, IEEE=False,
     )
     ops = ptx_memory_ops(
         "fxlora.kernels.sgmv", "_shrink_kernel", signature, constexprs, cfg.num_warps, cfg.num_stages, ("K", "RANKS")

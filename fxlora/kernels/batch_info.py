@@ -4,7 +4,11 @@ Every LoRA op of a graph reads the same metadata, computed once per token layout
 
 - ``token_slot[T]``: the slot of each token (``-1``: no adapter);
 - ``sorted_tokens[T]``: token indices grouped by slot (stable), no-adapter tokens last;
-- ``seg_start[S]``, ``seg_len[S]``: where each slot's tokens lie in ``sorted_tokens``.
+- ``seg_start[L]``, ``seg_len[L]``, ``seg_slot[L]``: a compact list of segments, one per slot
+  present, in slot order: segment ``i``'s tokens lie at ``seg_start[i]`` in ``sorted_tokens``
+  and read slot ``seg_slot[i]``'s factors. ``L = min(T, num_slots)``, the most segments a
+  batch can have; entries past the last segment have length 0. The kernels' grids have a row
+  of programs per entry, so a pool far larger than the batch costs nothing at decode.
 
 All outputs have shapes fixed by the token count and the number of slots, never by which
 adapters are present, so the prologue can be captured in a CUDA graph and replayed with
@@ -28,7 +32,7 @@ def _token_count(tokens: torch.Tensor, feature_dims: int) -> int:
 @torch.library.custom_op("fxlora::batch_info", mutates_args=())
 def batch_info(
     slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int, num_slots: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``tokens`` is only read for its shape: its leading ``dim - feature_dims`` dims index tokens."""
     rows, count = slot_ids.numel(), _token_count(tokens, feature_dims)
     leading = tokens.shape[0] if tokens.dim() - feature_dims >= 2 else None
@@ -41,30 +45,18 @@ def batch_info(
         )
         raise AdapterError(f"adapter_names has {rows} entries but the batch has {found}{hint}")
     token_slot = slot_ids.to(torch.int32).repeat_interleave(count // rows)
-    return (token_slot, *segments(token_slot, num_slots))
-
-
-def segments(token_slot: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(sorted_tokens, seg_start, seg_len)`` of per-token slot ids (``-1``: none), on the
-    device, with no host read."""
-    key = torch.where(token_slot < 0, num_slots, token_slot).to(torch.int64)
-    sorted_tokens = torch.argsort(key, stable=True).to(torch.int32)
-    counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=token_slot.device)
-    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    seg_len = counts[:num_slots].contiguous()
-    seg_start = (torch.cumsum(seg_len, 0, dtype=torch.int32) - seg_len).contiguous()
-    return sorted_tokens, seg_start, seg_len
+    return (token_slot, *compact_segments(token_slot, num_slots))
 
 
 @batch_info.register_fake
 def _(slot_ids, tokens, feature_dims, num_slots):
     count = _token_count(tokens, feature_dims)
+    segs = min(count, num_slots)
     i32 = dict(dtype=torch.int32, device=slot_ids.device)
     return (
         slot_ids.new_empty(count, **i32),
         slot_ids.new_empty(count, **i32),
-        slot_ids.new_empty(num_slots, **i32),
-        slot_ids.new_empty(num_slots, **i32),
+        *(slot_ids.new_empty(segs, **i32) for _ in range(3)),
     )
 
 
@@ -80,21 +72,28 @@ def slot_groups(token_slot: torch.Tensor, rank: torch.Tensor):
 def compact_segments(
     token_slot: torch.Tensor, num_slots: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Like :func:`segments`, but one segment per distinct slot present, in a list as long as
-    the tokens (unused entries have length 0): ``(sorted_tokens, seg_start, seg_len, seg_slot)``.
-    For slot counts far above the token count; no host read."""
-    count = token_slot.numel()
+    """``(sorted_tokens, seg_start, seg_len, seg_slot)`` of per-token slot ids (``-1``: none):
+    the tokens grouped by slot (stable, no-adapter tokens last) and one segment per slot
+    present, in a list of ``min(T, num_slots)`` entries (see the module's docstring). On the
+    device, with no host read."""
+    count, device = token_slot.numel(), token_slot.device
+    entries = min(count, num_slots)
     key = torch.where(token_slot < 0, num_slots, token_slot).to(torch.int64)
     sorted_tokens = torch.argsort(key, stable=True)
     keys = key.index_select(0, sorted_tokens)
     first = torch.ones_like(keys, dtype=torch.bool)
     first[1:] = keys[1:] != keys[:-1]
     seg = torch.cumsum(first, 0) - 1  # the segment of each sorted position
-    positions = torch.arange(count, device=token_slot.device)
-    seg_start = torch.full((count,), count, dtype=torch.int64, device=token_slot.device)
-    seg_start.scatter_reduce_(0, seg, positions, "amin")
-    seg_len = torch.zeros(count, dtype=torch.int32, device=token_slot.device)
+    # one entry more than the list: the no-adapter tokens' run, last, may fall past its end
+    seg_start = torch.full((entries + 1,), count, dtype=torch.int64, device=device)
+    seg_start.scatter_reduce_(0, seg, torch.arange(count, device=device), "amin")
+    seg_len = torch.zeros(entries + 1, dtype=torch.int32, device=device)
     seg_len.scatter_add_(0, seg, (keys < num_slots).to(torch.int32))  # no-adapter tokens form no segment
-    seg_slot = torch.zeros(count, dtype=torch.int64, device=token_slot.device).scatter_(0, seg, keys)
+    seg_slot = torch.zeros(entries + 1, dtype=torch.int64, device=device).scatter_(0, seg, keys)
     seg_slot.clamp_(max=num_slots - 1)
-    return sorted_tokens.to(torch.int32), seg_start.to(torch.int32), seg_len, seg_slot.to(torch.int32)
+    return (
+        sorted_tokens.to(torch.int32),
+        seg_start[:entries].to(torch.int32),
+        seg_len[:entries].contiguous(),
+        seg_slot[:entries].to(torch.int32),
+    )

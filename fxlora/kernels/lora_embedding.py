@@ -45,6 +45,7 @@ def lora_embedding(
     sorted_tokens: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
+    seg_slot: torch.Tensor,
 ) -> torch.Tensor:
     y = F.embedding(ids, weight)
     lora_embedding_delta_reference(
@@ -53,13 +54,13 @@ def lora_embedding(
     return y
 
 
-def _lora_embedding_triton(ids, weight, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len):
+def _lora_embedding_triton(ids, weight, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, seg_slot):
     y = F.embedding(ids, weight)
     flat = ids.reshape(-1)
     # row t of v is A[slot_t, :, ids_t]; tokens without an adapter read slot 0 and are
     # skipped by the expand, which only visits the slots' segments
     v = lora_a[token_slot.clamp(min=0).long(), :, flat].float()
-    sgmv.lora_expand(y.view(-1, y.shape[-1]), v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len)
+    sgmv.lora_expand(y.view(-1, y.shape[-1]), v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len, seg_slot)
     return y
 
 
@@ -68,5 +69,5 @@ if sgmv is not None:
 
 
 @lora_embedding.register_fake
-def _(ids, weight, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len):
+def _(ids, weight, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, seg_slot):
     return weight.new_empty((*ids.shape, weight.shape[1]))

@@ -84,6 +84,7 @@ def lora_linear(
     sorted_tokens: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
+    seg_slot: torch.Tensor,
     workspace: torch.Tensor,
 ) -> torch.Tensor:
     """``workspace`` (from :func:`lora_workspace`) is scratch the CUDA kernel writes the
@@ -105,6 +106,7 @@ def lora_linear_triton(
     sorted_tokens,
     seg_start,
     seg_len,
+    seg_slot,
     workspace,
     overlap: bool = True,
     slice_widths: tuple[int, ...] | None = None,
@@ -116,12 +118,12 @@ def lora_linear_triton(
     shrink's time hides behind the GEMM. ``slice_widths``: several output slices sharing one
     input, each with its own factors (the kernels' multi-slice layout)."""
     base = lambda: F.linear(x, weight, bias)  # noqa: E731
-    meta = (token_slot, sorted_tokens, seg_start, seg_len)
+    meta = (token_slot, sorted_tokens, seg_start, seg_len, seg_slot)
     return _with_lora_delta(x, base, lora_a, lora_b, scaling, rank, *meta, workspace, overlap, slice_widths, one_gemm=True)
 
 
 def _with_lora_delta(
-    x, base, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace, overlap,
+    x, base, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, seg_slot, workspace, overlap,
     slice_widths, one_gemm,
 ):  # fmt: skip
     """``base()`` (the GEMM: one output, or one per slice) with the LoRA delta added in place
@@ -130,13 +132,13 @@ def _with_lora_delta(
     slices = len(slice_widths or (None,))
     config = sgmv.shrink_config(x2.shape[0], x2.shape[1], lora_a.shape[1], slices if one_gemm else 1)
     shrink = lambda: sgmv.lora_shrink(  # noqa: E731
-        x2, lora_a, rank, sorted_tokens, seg_start, seg_len, slices, config, out=workspace
+        x2, lora_a, rank, sorted_tokens, seg_start, seg_len, seg_slot, slices, config, out=workspace
     )
     if bgmv.serves(x2.shape[0], lora_b.shape[-1]):
         expand = lambda y, v: bgmv.lora_expand(y, v, lora_b, scaling, rank, token_slot, slice_widths)  # noqa: E731
     else:
         expand = lambda y, v: sgmv.lora_expand(  # noqa: E731
-            y, v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len, slice_widths
+            y, v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len, seg_slot, slice_widths
         )
     if overlap:  # the GEMM is issued first, the shrink forked from the point before it
         main, side = torch.cuda.current_stream(), _side_stream(x.device)
@@ -178,6 +180,7 @@ def lora_linear_fused(
     sorted_tokens: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
+    seg_slot: torch.Tensor,
     workspace: torch.Tensor,
 ) -> list[torch.Tensor]:
     """``[lora_linear(x, weights[i], biases[i], <member i's factors>) ...]``: each member's own
@@ -189,14 +192,14 @@ def lora_linear_fused(
 
 
 def lora_linear_fused_triton(
-    x, weights, biases, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace,
+    x, weights, biases, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, seg_slot, workspace,
     overlap: bool = True,
 ):  # fmt: skip
     """Every member's GEMM, then one shrink and one expand that update all their outputs
     (``overlap`` as in :func:`lora_linear_triton`)."""
     base = lambda: [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # noqa: E731
     widths = tuple(w.shape[0] for w in weights)
-    meta = (token_slot, sorted_tokens, seg_start, seg_len)
+    meta = (token_slot, sorted_tokens, seg_start, seg_len, seg_slot)
     return _with_lora_delta(x, base, lora_a, lora_b, scaling, rank, *meta, workspace, overlap, widths, one_gemm=False)
 
 
@@ -206,10 +209,10 @@ if sgmv is not None:
 
 
 @lora_linear.register_fake
-def _(x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace):
+def _(x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, seg_slot, workspace):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
 @lora_linear_fused.register_fake
-def _(x, weights, biases, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, workspace):
+def _(x, weights, biases, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, seg_slot, workspace):
     return [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.promote_types(x.dtype, w.dtype)) for w in weights]

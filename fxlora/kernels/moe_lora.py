@@ -185,11 +185,10 @@ def _add_lora_segments(y, x, lora_a, lora_b, scaling, rank, pairs, experts: int,
     slots, _, max_rank, fin = lora_a.shape
     per_pair_rank = rank.repeat_interleave(experts)
     per_pair_scaling = scaling.repeat_interleave(experts)
-    *segs, seg_slot = pairs
     a = lora_a.view(slots * experts, max_rank, fin)
-    v = sgmv.lora_shrink(x.contiguous(), a, per_pair_rank, *segs, out=out, seg_slot=seg_slot)
+    v = sgmv.lora_shrink(x.contiguous(), a, per_pair_rank, *pairs, out=out)
     b = lora_b.view(slots * experts, lora_b.shape[2], max_rank)
-    sgmv.lora_expand(y, v, b, per_pair_scaling, per_pair_rank, *segs, seg_slot=seg_slot)
+    sgmv.lora_expand(y, v, b, per_pair_scaling, per_pair_rank, *pairs)
 
 
 if sgmv is not None:

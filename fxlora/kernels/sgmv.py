@@ -1,8 +1,9 @@
 """Segmented gather matrix-vector products for multi-adapter LoRA, in Triton.
 
-Tokens arrive grouped by slot (``sorted_tokens``, ``seg_start``, ``seg_len`` from
-``fxlora::batch_info``). Two kernels compute the LoRA delta of every token with its own
-slot's factors, as Punica's SGMV does:
+Tokens arrive grouped by slot, in segments (``sorted_tokens``, ``seg_start``, ``seg_len``,
+``seg_slot`` from ``fxlora::batch_info``: a compact list, segment ``i`` reading adapter
+``seg_slot[i]``). Two kernels compute the LoRA delta of every token with its own slot's
+factors, as Punica's SGMV does:
 
 - shrink: ``v[t, :] = x[t] @ A[s].T`` for the tokens ``t`` of slot ``s``, float32; the
   reduction over ``x``'s features is split across programs that add into a zeroed ``v``;
@@ -17,9 +18,8 @@ slice's ``max_rank`` rows, ``B`` each slice's output rows, and ``scaling`` / ``r
 one value per (slot, slice). The expands update either one output's column slices or one
 output per slice (:func:`output_slices`).
 
-With ``seg_slot`` the segments are a compact list instead — at most one per token, segment
-``i`` reading adapter ``seg_slot[i]`` — for pools with many more adapters than tokens (the
-MoE path reads its pool as ``slots · experts`` adapters).
+The list has at most one entry per token however large the pool (the MoE path reads its pool
+as ``slots · experts`` adapters).
 
 The expands move ``y`` and ``B`` in 16-byte pieces: the slices' widths tell the kernel how
 far their columns are aligned (:func:`column_align`), and a slot reads ``B``'s rank columns up
@@ -30,8 +30,8 @@ On Hopper and later the expand is launched as a programmatic dependent (PDL) of 
 before it, so its launch overlaps that kernel's tail; it waits for it (``gdc_wait``) before
 reading anything.
 
-Graph safety: the grids are sized for the worst case — ``cdiv(T, BLOCK_M) + num_segments``
-segment blocks — and a program with nothing to do (past its segment, a rank-0 slot)
+Graph safety: the grids are sized for the worst case — ``cdiv(T, BLOCK_M)`` plus one per
+entry of the segment list — and a program with nothing to do (past its segment, a rank-0 slot)
 returns at once. Launches depend only on shapes, never on which adapters are present, so
 they can be captured in a CUDA graph and replayed with other assignments.
 """
@@ -50,36 +50,37 @@ from triton.language.extra.cuda import gdc_wait
 
 @triton.jit
 def _segment_block(
-    pid, seg_start, seg_len, seg_slot, num_slots, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-    INDIRECT: tl.constexpr, FANOUT: tl.constexpr = 64,
+    pid, seg_start, seg_len, seg_slot, num_segs, SEGS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+    FANOUT: tl.constexpr = 64,
 ):
     """Which segment's tokens, which block of them, and which adapter's factors program ``pid``
-    handles: ``(seg, slot, block, start, length)``, ``seg == num_slots`` when there is none.
+    handles: ``(seg, slot, block, start, length)``, ``seg == num_segs`` when there is none.
 
-    In a pool of up to ``FANOUT`` slots the segments' blocks are numbered back to back (a sum
-    over every segment's block count), so the busy programs come first: at decode that is
-    faster than leaving gaps between them (qkv at 64 tokens with 4 adapters: 5.0 against 6.5
-    µs on an H100). A larger pool cannot afford that sum in every program. There segment
-    ``i``'s blocks begin at program ``i + seg_start[i] // BLOCK_M``: the segments lie in order
-    in ``sorted_tokens`` from its start, so that grows with ``i``, one segment's blocks end
+    In a list of up to ``FANOUT`` segments their blocks are numbered back to back (a sum over
+    every segment's block count), so the busy programs come first: at decode that is faster
+    than leaving gaps between them (qkv at 64 tokens with 4 adapters: 5.0 against 6.5 µs on an
+    H100). A longer list cannot afford that sum in every program. There segment ``i``'s
+    blocks begin at program ``i + seg_start[i] // BLOCK_M``: the segments lie in order in
+    ``sorted_tokens`` from its start, so that grows with ``i``, one segment's blocks end
     before the next one's begin, and every program id stays below ``cdiv(T, BLOCK_M) +
-    num_slots``. A first load of every ``SLOTS_P2 // FANOUT``-th start picks the stretch that
+    num_segs``. A first load of every ``SEGS_P2 // FANOUT``-th start picks the stretch that
     holds ``pid``'s segment and a second finds it: no program reads every segment."""
-    if SLOTS_P2 > FANOUT:
-        STEP: tl.constexpr = SLOTS_P2 // FANOUT
+    if SEGS_P2 > FANOUT:
+        STEP: tl.constexpr = SEGS_P2 // FANOUT
         coarse = tl.arange(0, FANOUT) * STEP
-        ok = coarse < num_slots
+        ok = coarse < num_segs
         firsts = coarse + tl.load(seg_start + coarse, mask=ok, other=0) // BLOCK_M
         lo = (tl.sum((ok & (firsts <= pid)).to(tl.int32), 0) - 1) * STEP  # first(0) == 0 <= pid
         WIDTH: tl.constexpr = STEP
     else:
         lo = 0
-        WIDTH: tl.constexpr = SLOTS_P2
+        WIDTH: tl.constexpr = SEGS_P2
     offs = lo + tl.arange(0, WIDTH)
-    ok = offs < num_slots
+    ok = offs < num_segs
     starts = tl.load(seg_start + offs, mask=ok, other=0)
     lens = tl.load(seg_len + offs, mask=ok, other=0)
-    if SLOTS_P2 > FANOUT:  # the last segment whose first program is at most pid
+    slots = tl.load(seg_slot + offs, mask=ok, other=0)
+    if SEGS_P2 > FANOUT:  # the last segment whose first program is at most pid
         firsts = offs + starts // BLOCK_M
         seg = lo + tl.sum((ok & (firsts <= pid)).to(tl.int32), 0) - 1
     else:  # the last non-empty segment whose first program is at most pid
@@ -90,11 +91,8 @@ def _segment_block(
     block = pid - tl.sum(tl.where(pick, firsts, 0), 0)
     start = tl.sum(tl.where(pick, starts, 0), 0)
     length = tl.sum(tl.where(pick, lens, 0), 0)
-    seg = tl.where(block * BLOCK_M < length, seg, num_slots)
-    if INDIRECT:  # a compact segment list: each segment names the adapter it reads
-        slot = tl.load(seg_slot + seg, mask=seg < num_slots, other=0)
-    else:
-        slot = seg
+    slot = tl.sum(tl.where(pick, slots, 0), 0)
+    seg = tl.where(block * BLOCK_M < length, seg, num_segs)
     return seg, slot, block, start, length
 
 
@@ -132,14 +130,14 @@ def b_columns(rank, MAX_RANK: tl.constexpr):
 def _shrink_kernel(
     x_ptr, a_ptr, v_ptr, rank_ptr,
     sorted_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
-    num_slots, K, RANKS,  # RANKS = num_slices * max_rank: columns of v, rows of each A[s]
+    num_segs, K, RANKS,  # RANKS = num_slices * max_rank: columns of v, rows of each A[s]
     stride_xt, stride_as, stride_ar, stride_vt,
-    MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS_P2: tl.constexpr,
+    MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SEGS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    IEEE: tl.constexpr, INDIRECT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    seg, slot, block, start, length = _segment_block(tl.program_id(0), seg_start_ptr, seg_len_ptr, seg_slot_ptr, num_slots, SLOTS_P2, BLOCK_M, INDIRECT)
-    if seg >= num_slots:
+    seg, slot, block, start, length = _segment_block(tl.program_id(0), seg_start_ptr, seg_len_ptr, seg_slot_ptr, num_segs, SEGS_P2, BLOCK_M)
+    if seg >= num_segs:
         return
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < length
@@ -175,19 +173,19 @@ def _shrink_kernel(
 def _expand_kernel(
     y_ptr, v_ptr, b_ptr, scaling_ptr, rank_ptr, slice_start_ptr,
     sorted_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
-    num_slots,
+    num_segs,
     y_off1, y_off2, y_off3, stride_y0, stride_y1, stride_y2, stride_y3,
     stride_vt, stride_bs, stride_bn,
-    MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SLOTS_P2: tl.constexpr,
+    MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SEGS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
-    ALIGN: tl.constexpr, IEEE: tl.constexpr, INDIRECT: tl.constexpr, PDL: tl.constexpr,
+    ALIGN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # launched before the kernel ahead finishes: wait for it before reading anything
         gdc_wait()
     # row blocks from the last: the rows of y the GEMM wrote last are the likeliest still in L2
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    seg, slot, block, start, length = _segment_block(pid, seg_start_ptr, seg_len_ptr, seg_slot_ptr, num_slots, SLOTS_P2, BLOCK_M, INDIRECT)
-    if seg >= num_slots:
+    seg, slot, block, start, length = _segment_block(pid, seg_start_ptr, seg_len_ptr, seg_slot_ptr, num_segs, SEGS_P2, BLOCK_M)
+    if seg >= num_segs:
         return
     sl = tl.program_id(2)
     rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
@@ -267,14 +265,14 @@ def shrink_config(tokens: int, k: int, ranks: int, gemm_slices: int = 1) -> Shri
     return ShrinkConfig(64, 64, max(1, min(8, k // 64)), 4)
 
 
-def expand_config(tokens: int, rank: int, slots: int = 1, slices: int = 1) -> ExpandConfig:
+def expand_config(tokens: int, rank: int, segments: int = 1, slices: int = 1) -> ExpandConfig:
     if tokens <= 512:
         return ExpandConfig(16, 256 if rank > 32 else 128, 4)
     if rank <= 32:  # 1024 columns per program: short segments pay a program's set-up less often
         return ExpandConfig(16, 256, 4, tiles=4, stages=2)
     if slices > 1:  # measured in the whole op: qkv 6-11 us faster at 2048 tokens, MLA and gate/up level
         return ExpandConfig(64, 64, 4, tiles=8, stages=2)
-    if tokens >= 128 * slots:  # long segments: 128-row blocks read each B tile half as often
+    if tokens >= 128 * segments:  # long segments: 128-row blocks read each B tile half as often
         return ExpandConfig(128, 64, 8, tiles=4, stages=2)
     return ExpandConfig(64, 64, 4, tiles=4, stages=2)
 
@@ -349,17 +347,16 @@ def lora_shrink(
     sorted_tokens: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
+    seg_slot: torch.Tensor,
     num_slices: int = 1,
     config: ShrinkConfig | None = None,
     out: torch.Tensor | None = None,
-    seg_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``v`` (T, num_slices * max_rank), float32, in ``out`` when given; rows of tokens
-    without an adapter are zero. With ``seg_slot`` the segments are a compact list (at most
-    one per token) and segment ``i`` reads slot ``seg_slot[i]``'s factors."""
+    without an adapter are zero. Segment ``i`` reads slot ``seg_slot[i]``'s factors."""
     tokens, k = x.shape
     _, ranks, _ = lora_a.shape
-    slots = seg_len.numel()
+    segs = seg_len.numel()
     cfg = config or shrink_config(tokens, k, ranks)
     if out is None:
         v = torch.zeros(tokens, ranks, dtype=torch.float32, device=x.device)
@@ -369,14 +366,14 @@ def lora_shrink(
         v = out.zero_()
     x, lora_a = x.contiguous(), rows_contiguous(lora_a)
     block_r = _p2(min(ranks, cfg.block_r))
-    grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(ranks, block_r), cfg.split_k)
+    grid = (triton.cdiv(tokens, cfg.block_m) + segs, triton.cdiv(ranks, block_r), cfg.split_k)
     _shrink_kernel[grid](
-        x, lora_a, v, rank, sorted_tokens, seg_start, seg_len, seg_slot if seg_slot is not None else seg_len,
-        slots, k, ranks,
+        x, lora_a, v, rank, sorted_tokens, seg_start, seg_len, seg_slot,
+        segs, k, ranks,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), v.stride(0),
-        MAX_RANK=ranks // num_slices, NUM_SLICES=num_slices, SLOTS_P2=_p2(slots, 2),
+        MAX_RANK=ranks // num_slices, NUM_SLICES=num_slices, SEGS_P2=_p2(segs, 2),
         BLOCK_M=cfg.block_m, BLOCK_R=block_r, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        IEEE=x.dtype == torch.float32, INDIRECT=seg_slot is not None,
+        IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return v
@@ -391,24 +388,24 @@ def lora_expand(
     sorted_tokens: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
+    seg_slot: torch.Tensor,
     slice_widths: tuple[int, ...] | None = None,
     config: ExpandConfig | None = None,
-    seg_slot: torch.Tensor | None = None,
 ) -> None:
     y, y_offsets, y_strides, widths = output_slices(y, slice_widths)
     tokens = y.shape[0]
     _, _, max_rank = lora_b.shape
-    slots = seg_len.numel()
-    cfg = config or expand_config(tokens, max_rank, slots, len(widths))
+    segs = seg_len.numel()
+    cfg = config or expand_config(tokens, max_rank, segs, len(widths))
     lora_b = rows_contiguous(lora_b)
-    grid = (triton.cdiv(tokens, cfg.block_m) + slots, triton.cdiv(max(widths), cfg.block_n * cfg.tiles), len(widths))
+    grid = (triton.cdiv(tokens, cfg.block_m) + segs, triton.cdiv(max(widths), cfg.block_n * cfg.tiles), len(widths))
     _expand_kernel[grid](
         y, v, lora_b, scaling, rank, slice_starts(tuple(widths), y.device),
-        sorted_tokens, seg_start, seg_len, seg_slot if seg_slot is not None else seg_len,
-        slots,
+        sorted_tokens, seg_start, seg_len, seg_slot,
+        segs,
         *y_offsets, *y_strides, v.stride(0), lora_b.stride(0), lora_b.stride(1),
-        MAX_RANK=max_rank, NUM_SLICES=len(widths), SLOTS_P2=_p2(slots, 2),
+        MAX_RANK=max_rank, NUM_SLICES=len(widths), SEGS_P2=_p2(segs, 2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_p2(max_rank), TILES=cfg.tiles, STAGES=cfg.stages,
-        ALIGN=column_align(tuple(widths)), IEEE=y.dtype == torch.float32, INDIRECT=seg_slot is not None, num_warps=cfg.num_warps,
+        ALIGN=column_align(tuple(widths)), IEEE=y.dtype == torch.float32, num_warps=cfg.num_warps,
         **pdl_options(y.device),
     )

@@ -35,7 +35,7 @@ def slot_ids_placeholder(gm: fx.GraphModule) -> fx.Node:
 
 
 def batch_info_for(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, feature_dims: int) -> list[fx.Node]:
-    """Insert a prologue for ``tokens`` at the current insertion point; returns its four outputs."""
+    """Insert a prologue for ``tokens`` at the current insertion point; returns its outputs."""
     slot_ids = slot_ids_placeholder(gm)
     node = gm.graph.call_function(
         torch.ops.fxlora.batch_info.default, (slot_ids, tokens, feature_dims, ctx.pool.max_loras)
@@ -44,7 +44,7 @@ def batch_info_for(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, featur
     node.meta[ADDED] = True
     node.meta[_LAYOUT] = None if shape is None else str(shape[: len(shape) - feature_dims])
     outputs = []
-    for i in range(4):
+    for i in range(len(node.target._schema.returns)):
         out = gm.graph.call_function(operator.getitem, (node, i))
         out.meta[ADDED] = True
         outputs.append(out)
