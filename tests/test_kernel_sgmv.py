@@ -25,11 +25,15 @@ def test_shrink_expand_match_reference(data):
             st.sampled_from([1, 2, 4]),
             block_r=st.sampled_from([16, 32, 64]),
             num_stages=st.integers(1, 3),
+            rows_last=st.booleans(),
         ),
         label="shrink",
     )
     expand = data.draw(
-        st.none() | st.builds(sgmv.ExpandConfig, blocks, blocks, st.just(4), st.sampled_from([1, 2, 3, 8]), st.integers(1, 2)),
+        st.none()
+        | st.builds(
+            sgmv.ExpandConfig, blocks, blocks, st.just(4), st.sampled_from([1, 2, 3, 8]), st.integers(1, 2), st.booleans()
+        ),
         label="expand",
     )
     v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, len(c.widths), config=shrink)
@@ -67,7 +71,7 @@ def test_expand_moves_16_bytes_at_a_time():
     signature.update(dict.fromkeys(["num_segs", *["y_off1", "y_off2", "y_off3", "stride_y0", "stride_y1", "stride_y2", "stride_y3", "stride_vt", "stride_bs", "stride_bn"]], "i32"))
     constexprs = dict(
         MAX_RANK=16, NUM_SLICES=3, SEGS_P2=4, BLOCK_M=32, BLOCK_N=64, BLOCK_R=16, TILES=4, STAGES=2,
-        ALIGN=sgmv.column_align((4096, 1024, 1024)), IEEE=False, PDL=True,
+        ALIGN=sgmv.column_align((4096, 1024, 1024)), IEEE=False, PDL=True, ROWS_LAST=False,
     )
     ops = ptx_memory_ops("fxlora.kernels.sgmv", "_expand_kernel", signature, constexprs)
     assert not any(op.endswith((".b16", ".b8")) for op in ops), ops
@@ -85,7 +89,7 @@ def test_shrink_moves_16_bytes_at_a_time(tokens, segs):
     cfg = sgmv.shrink_config(tokens, 4096, 16)
     constexprs = dict(
         MAX_RANK=16, NUM_SLICES=1, SEGS_P2=segs, BLOCK_M=cfg.block_m, BLOCK_R=16, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, IEEE=False,
+        SPLIT_K=cfg.split_k, IEEE=False, ROWS_LAST=cfg.rows_last,
     )
     ops = ptx_memory_ops(
         "fxlora.kernels.sgmv", "_shrink_kernel", signature, constexprs, cfg.num_warps, cfg.num_stages, ("K", "RANKS")
