@@ -3,7 +3,8 @@ a PEFT-style per-adapter loop and the bytes-moved floor, side by side in one pro
 
     python benchmarks/lora_linear.py [--out results.json] [--quick] [--shape NAME ...]
 
-For every shape: tokens x (in -> out slices) x rank x distinct adapters, bf16. Times are
+For every shape: tokens x (in -> out slices) x rank x distinct adapters, bf16, the adapters
+in a pool of as many slots (and at decode sizes also in a pool of 256 slots). Times are
 medians in microseconds, inside CUDA graphs (launch gaps removed) and eagerly. The floor is
 the bytes the LoRA delta must move (each used adapter's A and B once, x read once, y read
 and written once) at the device-to-device copy bandwidth measured here.
@@ -34,7 +35,8 @@ class Row:
     shape: str
     tokens: int
     rank: int
-    adapters: int
+    adapters: int  # distinct adapters in the batch
+    pool: int  # slots of the pool they are loaded in
     base_graph: float
     fxlora_graph: float
     fxlora_serial_graph: float
@@ -88,7 +90,10 @@ def eager_us(fn) -> float:
     return triton.testing.do_bench(fn, return_mode="median") * 1e3
 
 
-def run_case(shape: str, tokens: int, rank: int, adapters: int, bandwidth: float) -> Row:
+def run_case(shape: str, tokens: int, rank: int, adapters: int, bandwidth: float, pool: int | None = None) -> Row:
+    """``pool``: the slots the adapters are loaded in (default: as many as ``adapters``); the
+    batch's adapters are spread over it."""
+    pool = pool or adapters
     d_in, widths = SHAPES[shape]
     d_out, slices = sum(widths), len(widths)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -97,15 +102,16 @@ def run_case(shape: str, tokens: int, rank: int, adapters: int, bandwidth: float
     def operands():  # x, the base weight, A and B
         return (
             rnd(tokens, d_in), rnd(d_out, d_in) / d_in**0.5,
-            rnd(adapters, slices * rank, d_in) / d_in**0.5, rnd(adapters, d_out, rank) / rank**0.5,
+            rnd(pool, slices * rank, d_in) / d_in**0.5, rnd(pool, d_out, rank) / rank**0.5,
         )
 
     x, w, a, b = operands()
-    scaling = torch.ones(adapters * slices, device="cuda")
-    ranks = torch.full((adapters * slices,), rank, dtype=torch.int32, device="cuda")
-    slot_ids = (torch.arange(tokens, device="cuda") % adapters).to(torch.int32)
+    scaling = torch.ones(pool * slices, device="cuda")
+    ranks = torch.full((pool * slices,), rank, dtype=torch.int32, device="cuda")
+    used = range(0, adapters * (pool // adapters), pool // adapters)  # the slots the batch reads
+    slot_ids = torch.tensor(used, dtype=torch.int32, device="cuda").repeat(-(-tokens // adapters))[:tokens]
     slot_ids = slot_ids[torch.randperm(tokens, device="cuda", generator=gen)]
-    meta = batch_info(slot_ids, x, 1, adapters)
+    meta = batch_info(slot_ids, x, 1, pool)
 
     def base():
         return torch.nn.functional.linear(x, w)
@@ -127,7 +133,7 @@ def run_case(shape: str, tokens: int, rank: int, adapters: int, bandwidth: float
         del copies
 
     # block-diagonal B per slice folded into one (out, slices*rank) matrix for the references
-    b_full = torch.zeros(adapters, d_out, slices * rank, device="cuda", dtype=DTYPE)
+    b_full = torch.zeros(pool, d_out, slices * rank, device="cuda", dtype=DTYPE)
     col = 0
     for i, width in enumerate(widths):
         b_full[:, col : col + width, i * rank : (i + 1) * rank] = b[:, col : col + width]
@@ -141,7 +147,7 @@ def run_case(shape: str, tokens: int, rank: int, adapters: int, bandwidth: float
 
     def peft_loop():
         y = torch.nn.functional.linear(x, w)
-        for s in range(adapters):
+        for s in used:
             idx = (slot_long == s).nonzero().squeeze(1)
             if idx.numel():
                 y.index_add_(0, idx, (x[idx] @ a[s].T) @ b_full[s].T)
@@ -153,7 +159,7 @@ def run_case(shape: str, tokens: int, rank: int, adapters: int, bandwidth: float
     floor_bytes += tokens * d_in * element + 2 * tokens * d_out * element
     base_graph, fxlora_graph = paired_graph_us(base, fxlora)
     return Row(
-        shape, tokens, rank, adapters,
+        shape, tokens, rank, adapters, pool,
         base_graph=base_graph, fxlora_graph=fxlora_graph, fxlora_serial_graph=graph_us(lambda: fxlora(False)),
         gather_bmm_graph=graph_us(gather_bmm), base_cold_graph=cold_base, fxlora_cold_graph=cold_fxlora,
         base_eager=eager_us(base), fxlora_eager=eager_us(fxlora), peft_loop_eager=eager_us(peft_loop),
@@ -178,6 +184,8 @@ def main() -> None:
                         continue
                     rows.append(run_case(shape, tokens, rank, adapters, bandwidth))
                     torch.cuda.empty_cache()
+            if 8 <= tokens <= 64:  # a pool far larger than the batch uses
+                rows.append(run_case(shape, tokens, 16, min(16, tokens), bandwidth, pool=256))
     env = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -190,13 +198,13 @@ def main() -> None:
             json.dump({"env": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
     print(json.dumps(env))
     head = (
-        f"{'shape':<26}{'T':>5}{'r':>4}{'ad':>5} | {'base':>7}{'fxlora':>8}{'serial':>8}{'bmm':>8} graph us | "
+        f"{'shape':<26}{'T':>5}{'r':>4}{'ad':>5}{'pool':>5} | {'base':>7}{'fxlora':>8}{'serial':>8}{'bmm':>8} graph us | "
         f"{'+delta':>7} {'floor':>6} {'x floor':>7} | {'fx eager':>8}{'loop':>8} {'loop/fx':>7} | {'+delta cold':>11}"
     )
     print(head)
     for r in rows:
         print(
-            f"{r.shape:<26}{r.tokens:>5}{r.rank:>4}{r.adapters:>5} | {r.base_graph:>7.1f}{r.fxlora_graph:>8.1f}{r.fxlora_serial_graph:>8.1f}"
+            f"{r.shape:<26}{r.tokens:>5}{r.rank:>4}{r.adapters:>5}{r.pool:>5} | {r.base_graph:>7.1f}{r.fxlora_graph:>8.1f}{r.fxlora_serial_graph:>8.1f}"
             f"{r.gather_bmm_graph:>8.1f}          | {r.delta_over_base:>7.1%} {r.floor_delta:>6.1f} "
             f"{r.delta_over_floor:>7.2f} | {r.fxlora_eager:>8.1f}{r.peft_loop_eager:>8.1f} {r.loop_over_fxlora:>7.1f} | "
             + ("" if r.cold_delta_over_base is None else f"{r.cold_delta_over_base:>11.1%}")

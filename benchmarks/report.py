@@ -33,8 +33,10 @@ def main(path: str) -> None:
         if r.get("base_cold_graph") is not None:
             cold_delta = (r["fxlora_cold_graph"] - r["base_cold_graph"]) / r["base_cold_graph"]
             cold = [f"{r['base_cold_graph']:.1f}", f"{r['fxlora_cold_graph']:.1f}", f"{cold_delta:.0%}"]
+        pool = r.get("pool", r["adapters"])
+        adapters = f"{r['adapters']}" if pool == r["adapters"] else f"{r['adapters']} of {pool}"
         print(
-            f"| {r['shape']} | {r['tokens']} | {r['rank']} | {r['adapters']} | {r['base_graph']:.1f} "
+            f"| {r['shape']} | {r['tokens']} | {r['rank']} | {adapters} | {r['base_graph']:.1f} "
             f"| {r['fxlora_graph']:.1f} | {r['fxlora_serial_graph']:.1f} | {r['gather_bmm_graph']:.1f} "
             f"| {delta / r['base_graph']:.0%} | {r['floor_delta']:.1f} | {delta / r['floor_delta']:.2f} "
             f"| {r['fxlora_eager']:.1f} | {r['peft_loop_eager']:.1f} | {r['peft_loop_eager'] / r['fxlora_eager']:.1f} "
