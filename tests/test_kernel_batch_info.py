@@ -11,15 +11,14 @@ from fxlora.kernels.batch_info import compact_segments
 
 
 def check_segments(slots: list[int], sorted_tokens, seg_start, seg_len, seg_slot, num_slots: int) -> None:
-    """The compact segment list's contract: ``min(T, num_slots)`` entries, one segment per slot
-    present in slot order, each its slot's tokens in order, no-adapter tokens last."""
+    """The segment list's contract: ``min(T, num_slots)`` entries; each slot present in one
+    non-empty segment, in slot order, holding its tokens in order; no-adapter tokens last."""
     entries = min(len(slots), num_slots)
     assert all(t.shape == (entries,) and t.dtype == torch.int32 for t in (seg_start, seg_len, seg_slot))
     assert sorted(sorted_tokens.tolist()) == list(range(len(slots)))
-    present = sorted({s for s in slots if s >= 0})
-    used = int((seg_len > 0).sum())
-    assert seg_slot[:used].tolist() == present and (seg_len[used:] == 0).all()
-    for start, length, slot in zip(seg_start[:used].tolist(), seg_len[:used].tolist(), present):
+    busy = seg_len > 0
+    assert seg_slot[busy].tolist() == sorted({s for s in slots if s >= 0})
+    for start, length, slot in zip(seg_start[busy].tolist(), seg_len[busy].tolist(), seg_slot[busy].tolist()):
         assert sorted_tokens[start : start + length].tolist() == [t for t, s in enumerate(slots) if s == slot]  # stable
     covered = int(seg_len.sum())
     assert all(slots[t] == -1 for t in sorted_tokens[covered:].tolist())

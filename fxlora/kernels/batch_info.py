@@ -4,11 +4,13 @@ Every LoRA op of a graph reads the same metadata, computed once per token layout
 
 - ``token_slot[T]``: the slot of each token (``-1``: no adapter);
 - ``sorted_tokens[T]``: token indices grouped by slot (stable), no-adapter tokens last;
-- ``seg_start[L]``, ``seg_len[L]``, ``seg_slot[L]``: a compact list of segments, one per slot
-  present, in slot order: segment ``i``'s tokens lie at ``seg_start[i]`` in ``sorted_tokens``
-  and read slot ``seg_slot[i]``'s factors. ``L = min(T, num_slots)``, the most segments a
-  batch can have; entries past the last segment have length 0. The kernels' grids have a row
-  of programs per entry, so a pool far larger than the batch costs nothing at decode.
+- ``seg_start[L]``, ``seg_len[L]``, ``seg_slot[L]``: the segments: segment ``i``'s tokens lie
+  at ``seg_start[i]`` in ``sorted_tokens`` and read slot ``seg_slot[i]``'s factors, in slot
+  order. ``L = min(T, num_slots)``, the most segments a batch can have, since the kernels'
+  grids have a row of programs per entry: with no more slots than tokens, one entry per slot
+  (empty for a slot not in the batch); with more slots than tokens (a pool larger than a
+  decode batch), a compact list of the slots present, then empty entries. The compact list
+  takes twice as many small kernels to build.
 
 All outputs have shapes fixed by the token count and the number of slots, never by which
 adapters are present, so the prologue can be captured in a CUDA graph and replayed with
@@ -45,7 +47,23 @@ def batch_info(
         )
         raise AdapterError(f"adapter_names has {rows} entries but the batch has {found}{hint}")
     token_slot = slot_ids.to(torch.int32).repeat_interleave(count // rows)
-    return (token_slot, *compact_segments(token_slot, num_slots))
+    segments = compact_segments if num_slots > count else slot_segments
+    return (token_slot, *segments(token_slot, num_slots))
+
+
+def slot_segments(
+    token_slot: torch.Tensor, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sorted_tokens, seg_start, seg_len, seg_slot)`` of per-token slot ids (``-1``: none),
+    one segment per slot (see the module's docstring). On the device, with no host read."""
+    key = torch.where(token_slot < 0, num_slots, token_slot).to(torch.int64)
+    sorted_tokens = torch.argsort(key, stable=True).to(torch.int32)
+    counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=token_slot.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    seg_len = counts[:num_slots].contiguous()
+    seg_start = (torch.cumsum(seg_len, 0, dtype=torch.int32) - seg_len).contiguous()
+    seg_slot = torch.arange(num_slots, dtype=torch.int32, device=token_slot.device)
+    return sorted_tokens, seg_start, seg_len, seg_slot
 
 
 @batch_info.register_fake

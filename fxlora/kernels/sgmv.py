@@ -1,9 +1,9 @@
 """Segmented gather matrix-vector products for multi-adapter LoRA, in Triton.
 
 Tokens arrive grouped by slot, in segments (``sorted_tokens``, ``seg_start``, ``seg_len``,
-``seg_slot`` from ``fxlora::batch_info``: a compact list, segment ``i`` reading adapter
-``seg_slot[i]``). Two kernels compute the LoRA delta of every token with its own slot's
-factors, as Punica's SGMV does:
+``seg_slot`` from ``fxlora::batch_info``: segment ``i`` reads adapter ``seg_slot[i]``). Two
+kernels compute the LoRA delta of every token with its own slot's factors, as Punica's SGMV
+does:
 
 - shrink: ``v[t, :] = x[t] @ A[s].T`` for the tokens ``t`` of slot ``s``, float32; the
   reduction over ``x``'s features is split across programs that add into a zeroed ``v``;
