@@ -2,7 +2,9 @@
 model captured by hand in one CUDA graph, PEFT eager, and the bytes floor, side by side in
 one process.
 
-    python benchmarks/decode.py [--model llama|qwen3_moe] [--out results.json] [--quick]
+    python benchmarks/decode.py [--model llama|qwen3_moe] [--out results.json] [--quick] [--max-loras N]
+
+``--max-loras``: the pool's slots, when it should hold more than the adapters the batch uses.
 
 ``llama``: a Llama-shaped ~1B model (hidden 2048, 16 layers, intermediate 8192, 32 heads / 8
 KV heads, vocab 32000), rank-16 adapters on every linear layer; PEFT serves the mixed batch
@@ -189,6 +191,9 @@ def main() -> None:
     parser.add_argument("--out", default="decode.json")
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
     parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument(
+        "--max-loras", type=int, default=0, help="pool slots (default: the most adapters a row of the table uses)"
+    )
     args = parser.parse_args()
     sp = spec(args.model)
     batches, counts = list(sp.quick_batches if args.quick else sp.batches), list(sp.counts)
@@ -208,8 +213,9 @@ def main() -> None:
     # fxlora: compile + capture of every bucket and both variants
     torch.cuda.synchronize()
     start = time.perf_counter()
+    max_loras = max(args.max_loras, max(counts))
     cm = fxlora.compile(
-        model, adapters, max_loras=max(counts), max_rank=RANK, max_batch_size=max(batches), max_len=MAX_LEN
+        model, adapters, max_loras=max_loras, max_rank=RANK, max_batch_size=max(batches), max_len=MAX_LEN
     )
     with torch.no_grad():
         rt = cm.prepare()
@@ -301,6 +307,7 @@ def main() -> None:
         "graph_pool_MiB": pool_mib,
         "kv_cache_MiB": kv_mib,
         "model": args.model,
+        "max_loras": max_loras,
         "peft": "mixed batch (adapter_names)" if sp.peft_mixed else "one adapter for every row",
     }
     with open(args.out, "w") as f:
