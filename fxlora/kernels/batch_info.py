@@ -47,8 +47,15 @@ def batch_info(
         )
         raise AdapterError(f"adapter_names has {rows} entries but the batch has {found}{hint}")
     token_slot = slot_ids.to(torch.int32).repeat_interleave(count // rows)
-    segments = compact_segments if num_slots > count else slot_segments
     return (token_slot, *segments(token_slot, num_slots))
+
+
+def segments(token_slot: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sorted_tokens, seg_start, seg_len, seg_slot)`` of per-token slot ids (``-1``: none):
+    :func:`slot_segments` where the pool has no more slots than there are tokens, else the
+    compact list of :func:`compact_segments`, which takes twice as many small kernels."""
+    chosen = compact_segments if num_slots > token_slot.numel() else slot_segments
+    return chosen(token_slot, num_slots)
 
 
 def slot_segments(

@@ -27,9 +27,9 @@ the host; it is the implementation on CPU and the oracle of the CUDA one.
 On CUDA (:func:`moe_lora_triton`) nothing depends on the routing's values on the host: the
 token–expert pairs are sorted by expert on the device, the base GEMMs are grouped GEMMs
 over the experts' segments (``grouped_mm``), and the LoRA deltas are the SGMV kernels of
-:mod:`fxlora.kernels.sgmv` over a compact list of ``(slot, expert)`` segments (the pool
-read as ``slots · E`` adapters, at most one segment per pair), whose sizes are fixed by the
-token count and ``top_k``.
+:mod:`fxlora.kernels.sgmv` over a list of ``(slot, expert)`` segments (the pool read as
+``slots · E`` adapters; at most one entry per pair, as ``fxlora::batch_info``'s), whose sizes
+are fixed by the token count and ``top_k``.
 So the op is capturable in a CUDA graph and replays with any routing and adapters. Its
 scratch — the pair order (``routing``, from :func:`moe_routing_workspace`) and the LoRA
 shrink results (``workspace``, from :func:`moe_workspace`) — comes in as arguments that the
@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxlora.kernels.batch_info import compact_segments, slot_groups
+from fxlora.kernels.batch_info import segments, slot_groups
 from fxlora.kernels.triton_support import sgmv
 
 GATES = ("glu", "glu_interleaved_clamped", "act")
@@ -152,7 +152,7 @@ def moe_lora_triton(
     pair_slot = token_slot.index_select(0, pair_token).long()
     torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, pair_slot, out=pool_id)  # -1 stays -1
     slots = up_lora_a.shape[0] if up_lora_a is not None else down_lora_a.shape[0]
-    pairs = compact_segments(pool_id, slots * experts)  # at most one segment per pair
+    pairs = segments(pool_id, slots * experts)  # at most one segment per pair
 
     h = _grouped_linear(x, up_weight, offsets, up_bias, pair_expert, transposed)
     _add_lora_segments(h, x, up_lora_a, up_lora_b, up_scaling, up_rank, pairs, experts, workspace[0])
