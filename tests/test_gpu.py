@@ -74,8 +74,9 @@ def test_lora_linear_at_real_sizes(tokens, rank, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens, slots", [(37, 1000), (2048, 1000), (2048, 3000)])
 def test_lora_linear_with_a_large_pool(tokens, slots, dtype):
-    """A pool far larger than the batch: the segment list has an entry per token, at 2048
-    tokens more than the segment search reads in one step (two steps), most segments one
+    """Pools far larger than a decode batch: a compact segment list (one entry per token) at
+    37 tokens and at 2048 with 3000 slots, the per-slot list at 2048 with 1000; at 2048
+    tokens longer than the segment search reads in one step (two steps), most segments one
     token long: a decode pattern at prefill size."""
     x, w, a, b, scaling, ranks = _case(tokens, 1024, 1024, slots, 16, dtype, seed=slots)
     slot_ids = torch.randint(-1, slots, (tokens,), device="cuda", dtype=torch.int32)

@@ -63,14 +63,20 @@ def slot_segments(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sorted_tokens, seg_start, seg_len, seg_slot)`` of per-token slot ids (``-1``: none),
     one segment per slot (see the module's docstring). On the device, with no host read."""
-    key = torch.where(token_slot < 0, num_slots, token_slot).to(torch.int64)
-    sorted_tokens = torch.argsort(key, stable=True).to(torch.int32)
+    key, sorted_tokens = _sort_by_slot(token_slot, num_slots)
     counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=token_slot.device)
     counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
     seg_len = counts[:num_slots].contiguous()
     seg_start = (torch.cumsum(seg_len, 0, dtype=torch.int32) - seg_len).contiguous()
     seg_slot = torch.arange(num_slots, dtype=torch.int32, device=token_slot.device)
-    return sorted_tokens, seg_start, seg_len, seg_slot
+    return sorted_tokens.to(torch.int32), seg_start, seg_len, seg_slot
+
+
+def _sort_by_slot(token_slot: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's sort key (its slot, ``num_slots`` for none) and the tokens in key order
+    (stable)."""
+    key = torch.where(token_slot < 0, num_slots, token_slot).to(torch.int64)
+    return key, torch.argsort(key, stable=True)
 
 
 @batch_info.register_fake
@@ -103,8 +109,7 @@ def compact_segments(
     device, with no host read."""
     count, device = token_slot.numel(), token_slot.device
     entries = min(count, num_slots)
-    key = torch.where(token_slot < 0, num_slots, token_slot).to(torch.int64)
-    sorted_tokens = torch.argsort(key, stable=True)
+    key, sorted_tokens = _sort_by_slot(token_slot, num_slots)
     keys = key.index_select(0, sorted_tokens)
     first = torch.ones_like(keys, dtype=torch.bool)
     first[1:] = keys[1:] != keys[:-1]
@@ -119,6 +124,6 @@ def compact_segments(
     return (
         sorted_tokens.to(torch.int32),
         seg_start[:entries].to(torch.int32),
-        seg_len[:entries].contiguous(),
+        seg_len[:entries],
         seg_slot[:entries].to(torch.int32),
     )
