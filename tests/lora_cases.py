@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from fxlora.kernels import batch_info
+from fxlora.kernels.batch_info import fast_token_segments, token_segments
 from fxlora.kernels.lora_linear import sliced_delta_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,9 +113,11 @@ def draw_case(data, slots: tuple[int, int] = (1, 4), tokens: tuple[int, int] = (
     a, b, scaling, rank = pool_factors(gen, slots, slices, max_rank, d_in, widths, ranks, dtype)
     x = torch.randn(tokens, d_in, generator=gen).to(dtype)
     y = torch.randn(tokens, sum(widths), generator=gen).to(dtype)
-    meta = batch_info(torch.tensor(assignment, dtype=torch.int32), x, 1, slots)
-    expected = reference(y, x, a, b, scaling, rank, meta[0], widths)
-    on = [t.to(DEVICE) for t in (x, y.clone(), a, b, scaling, rank, *meta)]
+    # the ATen ops' list (per slot, or compact for a pool larger than the batch) or the one-launch kernel's
+    build = data.draw(st.sampled_from([token_segments, fast_token_segments]), label="segment list")
+    meta = build(torch.tensor(assignment, dtype=torch.int32, device=DEVICE), 1, slots)
+    expected = reference(y, x, a, b, scaling, rank, meta[0].cpu(), widths)
+    on = [t.to(DEVICE) for t in (x, y.clone(), a, b, scaling, rank)] + list(meta)
     if data.draw(st.booleans(), label="factors inside a larger tensor"):
         on[2], on[3] = inside_noise(gen, on[2], 1), inside_noise(gen, on[3], 1)
     return Case(*on, widths=widths, dtype=dtype, y_host=y, expected=expected)

@@ -7,7 +7,9 @@ from hypothesis import strategies as st
 
 from fxlora import AdapterError
 from fxlora.kernels import batch_info
-from fxlora.kernels.batch_info import compact_segments
+from fxlora.kernels.batch_info import compact_segments, token_segments
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU, Triton's interpreter
 
 
 def check_segments(slots: list[int], sorted_tokens, seg_start, seg_len, seg_slot, num_slots: int) -> None:
@@ -24,6 +26,7 @@ def check_segments(slots: list[int], sorted_tokens, seg_start, seg_len, seg_slot
     assert all(slots[t] == -1 for t in sorted_tokens[covered:].tolist())
     starts = seg_start.tolist()
     assert starts == sorted(starts) and max(starts, default=0) <= len(slots)  # the kernels' search relies on it
+    assert starts[:1] in ([0], [])  # ... and on the first starting at 0, with or without adapters
 
 
 @given(
@@ -64,3 +67,46 @@ def test_batch_info_schema_and_fake():
 @given(st.lists(st.integers(-1, 40), min_size=1, max_size=50), st.integers(41, 600))
 def test_compact_segments_of_a_large_pool(slots, num_slots):
     check_segments(slots, *compact_segments(torch.tensor(slots, dtype=torch.int32), num_slots), num_slots)
+
+
+@given(
+    rows=st.integers(1, 12),
+    per_row=st.integers(1, 6),
+    num_slots=st.integers(1, 40) | st.integers(41, 3000),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+    data=st.data(),
+)
+def test_slot_sort_matches_definition(rows, per_row, num_slots, dtype, data):
+    """The one-launch Triton prologue, with pools smaller and larger than the batch."""
+    slot_sort = pytest.importorskip("fxlora.kernels.slot_sort")
+    top = data.draw(st.sampled_from([1, 3, num_slots]), label="distinct slots at most")
+    slots = data.draw(st.lists(st.integers(-1, min(top, num_slots) - 1), min_size=rows, max_size=rows))
+    token_slot, *segments = slot_sort.slot_sort(torch.tensor(slots, dtype=dtype, device=DEVICE), per_row, num_slots)
+    assert token_slot.tolist() == [s for s in slots for _ in range(per_row)]
+    check_segments(token_slot.tolist(), *(t.cpu() for t in segments), num_slots)
+
+
+def test_slot_sort_without_adapters():
+    """No token with an adapter: a list of empty entries that still starts at 0."""
+    slot_sort = pytest.importorskip("fxlora.kernels.slot_sort")
+    out = slot_sort.slot_sort(torch.full((70,), -1, dtype=torch.int64, device=DEVICE), 1, 100)
+    assert [t.tolist() for t in out] == [[-1] * 70, list(range(70)), [0] * 70, [0] * 70, [0] * 70]
+
+
+def test_slot_sort_names_its_limit():
+    slot_sort = pytest.importorskip("fxlora.kernels.slot_sort")
+    with pytest.raises(ValueError, match=f"1 to {slot_sort.MAX_TOKENS} tokens, not {slot_sort.MAX_TOKENS + 1}"):
+        slot_sort.slot_sort(torch.zeros(slot_sort.MAX_TOKENS + 1, dtype=torch.int32), 1, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("count", [1, 64, 1000, 2048, 2049, 6000])
+@pytest.mark.parametrize("num_slots", [16, 4096])
+def test_batch_info_on_cuda(count, num_slots):
+    """The op on CUDA: one launch up to ``MAX_TOKENS`` tokens, the ATen ops beyond."""
+    slot_ids = torch.randint(-1, min(40, num_slots), (count,), dtype=torch.int32, device="cuda")
+    token_slot, *segments = batch_info(slot_ids, torch.empty(count, 8, device="cuda"), 1, num_slots)
+    assert torch.equal(token_slot, slot_ids)
+    check_segments(slot_ids.tolist(), *(t.cpu() for t in segments), num_slots)
+    reference = token_segments(slot_ids.cpu(), 1, num_slots)  # the ATen ops, on the CPU
+    assert torch.equal(segments[0].cpu(), reference[1])

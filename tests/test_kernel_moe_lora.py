@@ -100,3 +100,17 @@ def _reference(case, slot_ids, slots, gate, transposed, lora_on):
         lora += [t.float() if t.dtype.is_floating_point else t for t in factors] if on else [None] * 4
     token_slot = batch_info(slot_ids, f32[0], 1, slots)[0]
     return moe_lora(*f32, *lora, token_slot, *_scratch(f32[1], lora), transposed, gate, "silu", 1.702, 7.0)
+
+
+@pytest.mark.parametrize("mix", ["none", "mixed", "one"])
+def test_long_pair_lists_match_reference(mix):
+    """More (slot, expert) pairs than the SGMV search reads at once (a list of 80 entries), with
+    no adapter at all, mixed, and one adapter: the list's layouts that a decode step meets."""
+    tokens, experts, top_k, slots, dtype = 24, 20, 4, 4, torch.float32
+    gen = torch.Generator().manual_seed(7)
+    rows = {"none": [-1] * tokens, "one": [2] * tokens}.get(mix) or torch.randint(-1, slots, (tokens,), generator=gen).tolist()
+    slot_ids = torch.tensor(rows, dtype=torch.int32)
+    case = make_case(gen, tokens, top_k, experts, 16, 8, slots, 4, [[4, 2, 0, 3], [1, 4, 4, 2]], "glu", False, False, dtype)
+    got = run(moe_lora_triton, case, slot_ids, slots, "glu", False, (True, True))
+    want = _reference(case, slot_ids, slots, "glu", False, (True, True))
+    torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[dtype])

@@ -10,7 +10,12 @@ Every LoRA op of a graph reads the same metadata, computed once per token layout
   grids have a row of programs per entry: with no more slots than tokens, one entry per slot
   (empty for a slot not in the batch); with more slots than tokens (a pool larger than a
   decode batch), a compact list of the slots present, then empty entries. The compact list
-  takes twice as many small kernels to build.
+  takes twice as many small kernels to build. Either way the starts ascend from 0, which the
+  SGMV kernels' search relies on.
+
+That is the reference, a dozen or two small ATen kernels. On CUDA a batch of up to
+``slot_sort.MAX_TOKENS`` tokens takes one Triton launch instead, which always builds the
+compact list (:mod:`fxlora.kernels.slot_sort`).
 
 All outputs have shapes fixed by the token count and the number of slots, never by which
 adapters are present, so the prologue can be captured in a CUDA graph and replayed with
@@ -25,6 +30,7 @@ import math
 import torch
 
 from fxlora.errors import AdapterError
+from fxlora.kernels.triton_support import slot_sort
 
 
 def _token_count(tokens: torch.Tensor, feature_dims: int) -> int:
@@ -36,6 +42,14 @@ def batch_info(
     slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int, num_slots: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``tokens`` is only read for its shape: its leading ``dim - feature_dims`` dims index tokens."""
+    return token_segments(slot_ids, _tokens_per_row(slot_ids, tokens, feature_dims), num_slots)
+
+
+def batch_info_triton(slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int, num_slots: int):
+    return fast_token_segments(slot_ids, _tokens_per_row(slot_ids, tokens, feature_dims), num_slots)
+
+
+def _tokens_per_row(slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int) -> int:
     rows, count = slot_ids.numel(), _token_count(tokens, feature_dims)
     leading = tokens.shape[0] if tokens.dim() - feature_dims >= 2 else None
     if rows == 0 or count % rows or (leading is not None and leading != rows):
@@ -46,8 +60,22 @@ def batch_info(
             else ""
         )
         raise AdapterError(f"adapter_names has {rows} entries but the batch has {found}{hint}")
-    token_slot = slot_ids.to(torch.int32).repeat_interleave(count // rows)
+    return count // rows
+
+
+def token_segments(row_slot: torch.Tensor, per_row: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+    """``(token_slot, sorted_tokens, seg_start, seg_len, seg_slot)`` for ``per_row`` tokens in
+    each row of ``row_slot`` (``-1``: no adapter), by ATen ops."""
+    token_slot = row_slot.to(torch.int32).repeat_interleave(per_row)
     return (token_slot, *segments(token_slot, num_slots))
+
+
+def fast_token_segments(row_slot: torch.Tensor, per_row: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+    """:func:`token_segments` in one Triton launch where one program holds the batch: for the
+    Triton implementations of the ops."""
+    if 0 < row_slot.numel() * per_row <= slot_sort.MAX_TOKENS:
+        return slot_sort.slot_sort(row_slot, per_row, num_slots)
+    return token_segments(row_slot, per_row, num_slots)
 
 
 def segments(token_slot: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,6 +105,10 @@ def _sort_by_slot(token_slot: torch.Tensor, num_slots: int) -> tuple[torch.Tenso
     (stable)."""
     key = torch.where(token_slot < 0, num_slots, token_slot).to(torch.int64)
     return key, torch.argsort(key, stable=True)
+
+
+if slot_sort is not None:
+    batch_info.register_kernel("cuda")(batch_info_triton)
 
 
 @batch_info.register_fake

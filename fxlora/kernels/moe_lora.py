@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxlora.kernels.batch_info import segments, slot_groups
+from fxlora.kernels.batch_info import fast_token_segments, slot_groups
 from fxlora.kernels.triton_support import sgmv
 
 GATES = ("glu", "glu_interleaved_clamped", "act")
@@ -152,7 +152,7 @@ def moe_lora_triton(
     pair_slot = token_slot.index_select(0, pair_token).long()
     torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, pair_slot, out=pool_id)  # -1 stays -1
     slots = up_lora_a.shape[0] if up_lora_a is not None else down_lora_a.shape[0]
-    pairs = segments(pool_id, slots * experts)  # at most one segment per pair
+    pairs = fast_token_segments(pool_id, 1, slots * experts)[1:]  # at most one segment per pair
 
     h = _grouped_linear(x, up_weight, offsets, up_bias, pair_expert, transposed)
     _add_lora_segments(h, x, up_lora_a, up_lora_b, up_scaling, up_rank, pairs, experts, workspace[0])

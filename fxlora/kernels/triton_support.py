@@ -2,8 +2,8 @@
 CPU-only install runs the reference implementations and needs no Triton."""
 
 try:
-    from fxlora.kernels import bgmv, sgmv
+    from fxlora.kernels import bgmv, sgmv, slot_sort
 except ImportError:  # no Triton installed
-    bgmv = sgmv = None
+    bgmv = sgmv = slot_sort = None
 
-__all__ = ["bgmv", "sgmv"]
+__all__ = ["bgmv", "sgmv", "slot_sort"]

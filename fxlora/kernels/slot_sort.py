@@ -1,0 +1,81 @@
+"""``fxlora::batch_info``'s work in one Triton program: token slots from row slots, the tokens
+sorted by slot (stable) and the compact segment list (see :mod:`fxlora.kernels.batch_info`
+for the outputs' contract; its ATen ops are the reference).
+
+The program holds the whole batch in one block of ``BLOCK`` positions:
+
+- each token's key is its slot, ``num_slots`` for no adapter, ``num_slots + 1`` for padding;
+- ``tl.sort`` of ``key · BLOCK + position`` (distinct values, so the sort is stable) gives
+  ``sorted_tokens``;
+- a position starts a run where its key differs from its left neighbour's and ends one where
+  it differs from its right neighbour's (``tl.gather``); a running max of the run starts gives
+  every position its run's start, and a cumulative count of starts its run's index;
+- the last position of every run of a slot writes that run's segment.
+
+The runs of slots come first, in slot order; the list's entries past them are empty: length
+0, starting where the no-adapter tokens begin, so that the starts ascend from 0 however many
+tokens have an adapter, as the SGMV kernels' search requires.
+
+At decode sizes that is one launch where the ATen ops take a dozen or two small kernels: in a
+CUDA graph on an H100, 1.5–2 µs up to 64 tokens against 28–53 µs, 4.3 µs at 512 tokens, 22 µs
+at 2048 against 55 µs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: the most tokens one program sorts; larger batches take the ATen ops
+MAX_TOKENS = 2048
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _slot_sort_kernel(
+    row_slot, token_slot, sorted_tokens, seg_start, seg_len, seg_slot, T, num_slots, per_row, entries,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    pos = tl.arange(0, BLOCK)
+    real = pos < T
+    slot = tl.load(row_slot + pos // per_row, mask=real, other=-1).to(tl.int32)
+    tl.store(token_slot + pos, slot, mask=real)
+    key = tl.where(real, tl.where(slot < 0, num_slots, slot), num_slots + 1)
+    packed = tl.sort(key.to(tl.int64) * BLOCK + pos)
+    key = (packed // BLOCK).to(tl.int32)
+    tl.store(sorted_tokens + pos, (packed % BLOCK).to(tl.int32), mask=real)
+    first = (pos == 0) | (key != tl.gather(key, tl.maximum(pos - 1, 0), 0))
+    last = (pos == BLOCK - 1) | (key != tl.gather(key, tl.minimum(pos + 1, BLOCK - 1), 0))
+    run = tl.cumsum(first.to(tl.int32), 0) - 1
+    run_start = tl.associative_scan(tl.where(first, pos, 0), 0, _max)
+    ends = last & (key < num_slots)  # runs of no adapter and of padding form no segment
+    tl.store(seg_start + run, run_start, mask=ends)
+    tl.store(seg_len + run, pos + 1 - run_start, mask=ends)
+    tl.store(seg_slot + run, key, mask=ends)
+    busy = tl.sum((first & (key < num_slots)).to(tl.int32), 0)
+    covered = tl.sum((key < num_slots).to(tl.int32), 0)  # where the no-adapter tokens begin
+    empty = (pos >= busy) & (pos < entries)
+    tl.store(seg_start + pos, tl.zeros([BLOCK], tl.int32) + covered, mask=empty)
+    tl.store(seg_len + pos, tl.zeros([BLOCK], tl.int32), mask=empty)
+    tl.store(seg_slot + pos, tl.zeros([BLOCK], tl.int32), mask=empty)
+
+
+def slot_sort(row_slot: torch.Tensor, per_row: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+    """``(token_slot, sorted_tokens, seg_start, seg_len, seg_slot)`` for ``per_row`` tokens in
+    each row of ``row_slot`` (an integer tensor, ``-1``: no adapter), in one launch; at most
+    :data:`MAX_TOKENS` tokens."""
+    count = row_slot.numel() * per_row
+    if not 0 < count <= MAX_TOKENS:
+        raise ValueError(f"slot_sort takes 1 to {MAX_TOKENS} tokens, not {count}")
+    entries = min(count, num_slots)
+    i32 = dict(dtype=torch.int32, device=row_slot.device)
+    out = [torch.empty(count, **i32), torch.empty(count, **i32)] + [torch.empty(entries, **i32) for _ in range(3)]
+    block = max(16, triton.next_power_of_2(count))
+    warps = min(16, max(4, block // 128))  # measured on an H100: 4 up to 512 tokens, 8 at 1024, 16 at 2048
+    _slot_sort_kernel[(1,)](row_slot, *out, count, num_slots, per_row, entries, BLOCK=block, num_warps=warps)
+    return tuple(out)
