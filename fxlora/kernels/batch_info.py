@@ -46,6 +46,7 @@ def batch_info(
 
 
 def batch_info_triton(slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int, num_slots: int):
+    """The CUDA implementation: :func:`fast_token_segments`."""
     return fast_token_segments(slot_ids, _tokens_per_row(slot_ids, tokens, feature_dims), num_slots)
 
 
