@@ -1,12 +1,13 @@
 """Sweep the LoRA kernels' launch parameters on a few shape classes and print the best.
 
-    python benchmarks/lora_tune.py [sgmv] [bgmv] [switch] [in_context]
+    python benchmarks/lora_tune.py [sgmv] [bgmv] [switch] [in_context] [expand_in_context]
 
 Times each kernel alone inside a CUDA graph (median, microseconds), so the tables in
 ``shrink_config`` / ``expand_config`` of ``fxlora/kernels/sgmv.py`` and ``bgmv.py`` can be
 chosen from measurements. ``switch`` times the whole op as ``lora_linear`` runs it on CUDA with
 either family's expand, to place the token count where one hands over to the other;
-``in_context`` the shrink's parameters inside that op, where it shares SMs with the GEMM.
+``in_context`` the shrink's parameters inside that op, where it shares SMs with the GEMM;
+``expand_in_context`` the expands of both families right after the GEMM, at decode shapes.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def in_context_case(tokens, rank, adapters, widths) -> None:
 
     runs = [
         (cfg, cold(cfg))
-        for split, bk, warps, stages, br in itertools.product((2, 4, 8, 16), (128, 256), (1, 2, 4), (1, 2, 3), (16, 32, 64))
+        for split, bk, warps, stages, br in itertools.product((2, 4, 8, 16, 32), (128, 256), (1, 2, 4), (1, 2, 3), (16, 32, 64))
         if split * bk <= 4096 and br <= max(16, triton.next_power_of_2(slices * rank))  # rank rows per program
         for cfg in [sgmv.ShrinkConfig(16, bk, split, warps, block_r=br, num_stages=stages)]
     ]
@@ -184,6 +185,37 @@ def in_context_case(tokens, rank, adapters, widths) -> None:
         f"table's choice {us(cold(table)) / len(copies):.1f}us {table}"
     )
     best("shrink in context", runs, per=len(copies))
+
+
+def expand_in_context() -> None:
+    """Expand launch parameters timed right after the base GEMM whose output they update, the
+    weights read from HBM (copies that overflow L2): the segmented expand as the table picks it
+    against the per-token one's column widths and warps, at decode shapes."""
+    for widths, tokens, adapters in itertools.product(((4096,), (4096, 1024, 1024)), (8, 32, 64), (4, 16)):
+        expand_in_context_case(tokens, adapters, widths)
+
+
+def expand_in_context_case(tokens, adapters, widths) -> None:
+    x, w, _, b, scaling, ranks, (slot, order, start, length, seg_slot), _, _ = _op_parts(tokens, adapters, 16, widths)
+    v = torch.randn(tokens, len(widths) * 16, device="cuda")
+    copies = [(x.clone(), w.clone()) for _ in range(-(-(200 << 20) // w.nbytes))]
+    sliced = widths if len(widths) > 1 else None
+
+    def after_gemm(expand):
+        return lambda: [expand(torch.nn.functional.linear(cx, cw)) for cx, cw in copies]
+
+    base = us(lambda: [torch.nn.functional.linear(cx, cw) for cx, cw in copies]) / len(copies)
+    segmented = after_gemm(lambda y: sgmv.lora_expand(y, v, b, scaling, ranks, order, start, length, seg_slot, sliced))
+    print(
+        f"T={tokens} adapters={adapters} widths={widths} base {base:.1f}us, with the segmented expand "
+        f"{us(segmented) / len(copies):.1f}us; per-token default {bgmv.expand_config(tokens)}"
+    )
+    runs = [
+        (cfg, after_gemm(lambda y, cfg=cfg: bgmv.lora_expand(y, v, b, scaling, ranks, slot, sliced, cfg)))
+        for bn, warps in itertools.product((64, 128, 256, 512), (2, 4, 8))
+        for cfg in [bgmv.ExpandConfig(bn, warps)]
+    ]
+    best("GEMM + per-token expand", runs, per=len(copies))
 
 
 def switch_case(tokens, adapters, rank) -> None:
@@ -201,4 +233,6 @@ def switch_case(tokens, adapters, rank) -> None:
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["sgmv", "bgmv", "switch"]
     for part in parts:
-        {"sgmv": tune_sgmv, "bgmv": tune_bgmv, "switch": switch, "in_context": in_context}[part]()
+        tunes = {"sgmv": tune_sgmv, "bgmv": tune_bgmv, "switch": switch, "in_context": in_context,
+                 "expand_in_context": expand_in_context}  # fmt: skip
+        tunes[part]()

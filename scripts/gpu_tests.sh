@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # The whole GPU test suite in one call: the CUDA-only tests, the kernel tests on CUDA (all
-# dtypes), and the reference-op and pass tests. Results go under $OUT (or ./gpu-out).
+# dtypes), and the reference-op and pass tests. Results go under $OUT (or ./gpu-out). The tests
+# run in $GPU_WORKERS processes (default 4) sharing the GPU: most of their time is Triton
+# compiling kernels, which the processes do side by side. Without a network the test packages
+# install from ./.wheels (`pip download -d .wheels --python-version 3.12 --only-binary :all: hypothesis pytest-xdist`
+# fills it for a Python 3.12 machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
-python3 -c "import hypothesis" 2>/dev/null || pip install -q --no-index --find-links .wheels hypothesis sortedcontainers
+python3 -c "import hypothesis, xdist" 2>/dev/null || pip install -q --no-index --find-links .wheels hypothesis sortedcontainers pytest-xdist execnet
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernel_sgmv.py tests/test_kernel_bgmv.py tests/test_kernel_lora_linear.py \
     tests/test_kernel_lora_embedding.py tests/test_kernel_batch_info.py tests/test_kernel_moe_lora.py tests/test_passes.py \
     tests/test_gpu_runtime.py tests/test_gpu_moe.py \
-    --junitxml="$OUT/gpu-tests.xml" "$@" 2>&1 | tee "$OUT/gpu-tests.txt" | grep -v "^\s*$" | tail -40
+    -n "${GPU_WORKERS:-4}" --junitxml="$OUT/gpu-tests.xml" "$@" 2>&1 | tee "$OUT/gpu-tests.txt" | grep -v "^\s*$" | tail -40

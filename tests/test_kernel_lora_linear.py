@@ -123,7 +123,7 @@ def test_lora_linear_fused_keeps_leading_dims_and_fake():
 
 
 @pytest.mark.skipif(sgmv is None, reason="needs Triton")
-@pytest.mark.parametrize("per_row, max_rank", [(1, 16), (12, 16)], ids=["per_token_expand", "segmented_expand"])
+@pytest.mark.parametrize("per_row, max_rank", [(1, 16), (12, 32)], ids=["per_token_expand", "segmented_expand"])
 @given(
     rows=st.integers(3, 5),
     widths=st.lists(st.integers(1, 20), min_size=1, max_size=3),

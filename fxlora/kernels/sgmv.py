@@ -269,6 +269,8 @@ def shrink_config(tokens: int, k: int, ranks: int, gemm_slices: int = 1) -> Shri
     # picks, which no shape tells.
     if tokens <= 8 or (gemm_slices > 1 and 32 < tokens <= 64):
         return ShrinkConfig(16, 256, max(1, min(16, k // 256)), 2, block_r=32, num_stages=1, rows_last=True)
+    if gemm_slices > 1 and ranks <= 64:  # 9-32 tokens: programs of 16 rank rows, split finer
+        return ShrinkConfig(16, 128, max(1, min(32, k // 128)), 1, block_r=16, num_stages=1, rows_last=True)
     if tokens <= 64:
         return ShrinkConfig(16, 128, max(1, min(16, k // 128)), 1, block_r=32, num_stages=2, rows_last=True)
     if tokens <= 512:
