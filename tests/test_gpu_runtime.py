@@ -96,11 +96,15 @@ def test_failed_capture_falls_back_to_eager_with_a_warning(caplog):
         return torch.ones(2, device="cuda") * key
 
     graphs = GraphSet(torch.device("cuda"))
+    rng = torch.cuda.get_rng_state()
     with caplog.at_level(logging.WARNING, logger="fxlora"):
         graphs.capture([3], step, progress=False)
         assert torch.equal(graphs.run(3, step), torch.full((2,), 3.0, device="cuda"))
         graphs.run(3, step)
     assert not graphs.graphs and "capturing 3 failed" in graphs.fallback_reason
+    # the device's random numbers go on from where they were (torch 2.11 left them unusable)
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    torch.multinomial(torch.rand(8, device="cuda"), 2)
     assert sum("without CUDA graphs" in r.message for r in caplog.records) == 1
 
 

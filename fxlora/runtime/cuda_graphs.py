@@ -72,8 +72,12 @@ class GraphSet:
                 fn(key)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = fn(key)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = fn(key)
+        except Exception:
+            _release_generator(self.device)
+            raise
         return graph, out
 
     def run(self, key: Hashable, fn: Callable[[Hashable], Any]) -> Any:
@@ -144,6 +148,15 @@ class GraphSet:
         if not self._warned and self.fallback_reason is not None:
             log.warning("fxlora: running without CUDA graphs: %s", self.fallback_reason)
             self._warned = True
+
+
+def _release_generator(device: torch.device) -> None:
+    """After a failed capture: torch 2.11 leaves the device's default generator marked as
+    capturing (its capture never ended), and every later random op on the device raises
+    "Offset increment outside graph capture". Give it a fresh state with the same seed and
+    offset."""
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    gen.graphsafe_set_state(gen.clone_state())
 
 
 def _version(x: Any) -> int | None:
