@@ -231,8 +231,9 @@ def switch_case(tokens, adapters, rank) -> None:
 
 
 if __name__ == "__main__":
-    parts = sys.argv[1:] or ["sgmv", "bgmv", "switch"]
-    for part in parts:
-        tunes = {"sgmv": tune_sgmv, "bgmv": tune_bgmv, "switch": switch, "in_context": in_context,
-                 "expand_in_context": expand_in_context}  # fmt: skip
+    tunes = {
+        "sgmv": tune_sgmv, "bgmv": tune_bgmv, "switch": switch, "in_context": in_context,
+        "expand_in_context": expand_in_context,
+    }  # fmt: skip
+    for part in sys.argv[1:] or ["sgmv", "bgmv", "switch"]:
         tunes[part]()

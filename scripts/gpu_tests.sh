@@ -3,8 +3,8 @@
 # dtypes), and the reference-op and pass tests. Results go under $OUT (or ./gpu-out). The tests
 # run in $GPU_WORKERS processes (default 4) sharing the GPU: most of their time is Triton
 # compiling kernels, which the processes do side by side. Without a network the test packages
-# install from ./.wheels (`pip download -d .wheels --python-version 3.12 --only-binary :all: hypothesis pytest-xdist`
-# fills it for a Python 3.12 machine).
+# install from ./.wheels, which this fills for a Python 3.12 machine:
+#   pip download -d .wheels --python-version 3.12 --only-binary :all: hypothesis pytest-xdist
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"

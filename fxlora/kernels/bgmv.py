@@ -93,7 +93,8 @@ def serves(tokens: int, max_rank: int) -> bool:
 
 
 # Chosen on an H100 (bf16, N = 4096 and the fused qkv widths, after the base GEMM, weights
-# from HBM): past 32 tokens 256-column programs take 1-1.6 us off 128-column ones.
+# from HBM; benchmarks/lora_tune.py expand_in_context): past 32 tokens 256-column programs
+# take 1.1-1.6 us off 128-column ones at the qkv widths, up to 0.25 us at N = 4096.
 def expand_config(tokens: int) -> ExpandConfig:
     if tokens <= 4:
         return ExpandConfig(64, 4)

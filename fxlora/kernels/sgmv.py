@@ -271,7 +271,7 @@ def shrink_config(tokens: int, k: int, ranks: int, gemm_slices: int = 1) -> Shri
         return ShrinkConfig(16, 256, max(1, min(16, k // 256)), 2, block_r=32, num_stages=1, rows_last=True)
     # Up to 64 rank rows beside one GEMM over several slices (qkv at rank 16, cold op delta, µs,
     # 1 / 16 adapters): 16 rank rows per program and a 32-way split, 1.73-1.87 against 2.21-2.37
-    # at 32 tokens (16 adapters; 4 level); 6.0 / 9.5 against 9.0 / 11.6 at 128 tokens, 6.4 / 9.6
+    # at 32 tokens (16 adapters; with 4 level); 6.0 / 9.5 against 9.0 / 11.6 at 128 tokens, 6.4 / 9.6
     # against 10.0 / 12.1 at 256; at 512 (hot) 8.8 / 11.9 against 10.3 / 11.9. At 2048 tokens
     # they would be 44 / 49 against 25 / 37.
     if gemm_slices > 1 and ranks <= 64 and tokens <= 512:
