@@ -37,7 +37,7 @@ import triton.testing
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
 import fxlora
-from fxlora.runtime.kv_cache import StaticKVCache, probe_shapes
+from fxlora.runtime.kv_cache import StaticKVCache, cache_keyword, probe_shapes
 from fxlora.testing.models import fill_zero_weights
 
 RANK, CONTEXT = 16, 512
@@ -171,7 +171,8 @@ def hand_graph(model, cache: StaticKVCache, batch: int, extra: dict) -> float:
     inputs = step_inputs(batch, model.config.vocab_size)
     cache.select_rows(batch)
     cache.columns = torch.tensor([CONTEXT], device="cuda")
-    call = lambda: model(**inputs, past_key_values=cache, use_cache=True, **extra)  # noqa: E731
+    cache_kw = {cache_keyword(model): cache}
+    call = lambda: model(**inputs, use_cache=True, **cache_kw, **extra)  # noqa: E731
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -268,6 +269,7 @@ def main() -> None:
             peft_model.add_adapter(name, copy.deepcopy(cfg))
         set_peft_model_state_dict(peft_model, state, adapter_name=name)
     peft_model.to(torch.bfloat16).eval()
+    cache_kw = {cache_keyword(model): cache}
     with torch.no_grad():
         for batch in batches:
             inputs = step_inputs(batch, vocab)
@@ -276,13 +278,13 @@ def main() -> None:
             for k in counts:
                 if sp.peft_mixed:
                     names = [f"ad{i % k}" for i in range(batch)] if k else ["__base__"] * batch
-                    fn = lambda: peft_model(**inputs, past_key_values=cache, use_cache=True, adapter_names=names, **extra)  # noqa: B023, E731
+                    fn = lambda: peft_model(**inputs, use_cache=True, **cache_kw, adapter_names=names, **extra)  # noqa: B023, E731
                 elif k:
-                    fn = lambda: peft_model(**inputs, past_key_values=cache, use_cache=True, **extra)  # noqa: B023, E731
+                    fn = lambda: peft_model(**inputs, use_cache=True, **cache_kw, **extra)  # noqa: B023, E731
                 else:
                     def fn():
                         with peft_model.disable_adapter():
-                            return peft_model(**inputs, past_key_values=cache, use_cache=True, **extra)  # noqa: B023
+                            return peft_model(**inputs, use_cache=True, **cache_kw, **extra)  # noqa: B023
                 results[(batch, k)]["peft_eager"] = us(fn, rep=300)
 
     rows = [Row(batch=b, adapters=k, **v) for (b, k), v in sorted(results.items())]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,9 +20,10 @@ import torch
 from fxlora.adapters import AdapterPool, experts, model_modules, read_adapter
 from fxlora.adapters.peft_format import AdapterSource
 from fxlora.errors import AdapterError
+from fxlora.passes.annotate import ModuleTree
 from fxlora.runtime import Backend, use_adapters
+from fxlora.runtime.backend import raise_recompile_limit
 from fxlora.runtime.generation import DecodeRuntime, Sampling
-from fxlora.runtime.routing import record_coverage
 
 log = logging.getLogger(__name__)
 
@@ -66,24 +68,10 @@ class CompiledModel(torch.nn.Module):
         # retrace for each new slicing; a private copy of such small inputs avoids that.
         args = tuple(_own(a) for a in args)
         kwargs = {k: _own(v) for k, v in kwargs.items()}
-        with use_adapters(adapter_names), record_coverage() as covered:
-            out = self._compiled(*args, **kwargs)
-        missing = self._needed(adapter_names) - covered
-        if missing:
-            raise RuntimeError(
-                f"the LoRA of {len(missing)} module(s), e.g. {sorted(missing)[0]!r}, did not run: that code ran "
-                "outside the compiled graphs (a graph break, or Dynamo's recompile limit was hit: each "
-                "fxlora.compile of a model class adds entries, see torch._dynamo.config.recompile_limit). "
-                "See explain() and TORCH_LOGS=graph_breaks,recompiles."
-            )
-        return out
-
-    def _needed(self, adapter_names: Sequence[str | None] | None) -> set[str]:
-        """Target modules the adapters of these rows change."""
-        needed: set[str] = set()
-        for name in set(adapter_names or ()) - {None}:
-            needed |= self.pool.adapters[name].modules.keys() & self.pool.targets.keys()
-        return needed
+        for t in (*args, *kwargs.values()):
+            mark_batch_dims_dynamic(t)
+        with use_adapters(adapter_names):
+            return self._compiled(*args, **kwargs)
 
     def prepare(self) -> DecodeRuntime:
         """Build the generation runtime now rather than on the first ``generate``: the KV
@@ -140,6 +128,15 @@ class CompiledModel(torch.nn.Module):
         if not self._backend.routers:
             lines.append("no graph compiled yet: call the model once to trace it")
         return "\n".join(lines)
+
+
+def mark_batch_dims_dynamic(x: Any) -> None:
+    """Trace the rows and positions of an input as sizes, so one graph serves every batch
+    shape (Dynamo still specialises a size of 1)."""
+    if isinstance(x, torch.Tensor):
+        for d in range(min(x.dim(), 2)):
+            if x.shape[d] > 1:
+                torch._dynamo.maybe_mark_dynamic(x, d)
 
 
 def _own(x: Any) -> Any:
@@ -209,7 +206,7 @@ def compile(
     for name, source in adapters.items():
         pool.load(experts.resolve(read_adapter(name, source), model))
     pool.register_modules(model_modules(model), complete=True)
-    backend = Backend(pool)
+    backend = Backend(pool, modules=ModuleTree(model))
     quantization = getattr(config, "quantization_config", None) or getattr(model, "hf_quantizer", None)
     if quantization is not None:
         fields = quantization if isinstance(quantization, dict) else vars(quantization)
@@ -220,10 +217,24 @@ def compile(
         )
         backend.notes.append(note)
         log.warning("fxlora: %s", note)
-    compiled = torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+    raise_recompile_limit()
+    compiled = torch.compile(own_code_object(model), backend=backend, dynamic=dynamic, fullgraph=fullgraph)
     log.info("fxlora: %d adapters in %d target modules", len(adapters), len(pool.targets))
     runtime = dict(max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs)
     return CompiledModel(model, backend, compiled, runtime)
+
+
+def own_code_object(model: torch.nn.Module) -> Callable[..., Any]:
+    """A function that calls ``model``, with a code object of its own. Dynamo keeps its
+    cache, and its recompile budget, per code object, and transformers wraps the ``forward``
+    of every model in one shared function: compiled through that, models would use up one
+    another's budget."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs)
+
+    code = call.__code__.replace(co_name=f"fxlora_{type(model).__name__}_{id(model):x}")
+    return types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
 
 
 def _unwrap_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, AdapterSource]]:

@@ -311,6 +311,10 @@ class AdapterPool:
                 raise AdapterError(f"unknown adapter {name!r} in adapter_names; loaded: {sorted(self.adapters)}")
         return slots
 
+    def modules_of(self, adapter_names: Iterable[str]) -> set[str]:
+        """The target modules these loaded adapters change."""
+        return set().union(*(self.adapters[n].modules.keys() & self.targets.keys() for n in adapter_names))
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.targets.values())

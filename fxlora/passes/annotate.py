@@ -1,7 +1,11 @@
 """annotate: record on every call node the FQN of the module whose forward produced it.
 
-Reads ``nn_module_stack`` (set by Dynamo and torch.export): the innermost entry names the
-module, e.g. ``L['self'].model.layers[0].mlp`` becomes ``model.layers.0.mlp``. A node
+Reads ``nn_module_stack`` (set by Dynamo and torch.export). When the model is known (a
+:class:`ModuleTree`), the innermost entry is resolved against the model's own module tree:
+first by identity (Dynamo keys inlined modules by ``id(module)``), then by its path with any
+root spelling removed (``L['self']``, ``L['args'][0]`` under a decorated ``forward``,
+``L['fn']``, ...), then by the unique module whose FQN ends with that path (a frame resumed
+inside a layer). Without the model, the path with its root removed is the FQN. A node
 without that metadata but whose weight is a ``get_attr`` of ``<module>.weight`` (as
 ``torch.fx.symbolic_trace`` makes) is attributed to ``<module>``. Writes
 ``node.meta["fxlora_module"]`` and ``node.meta["fxlora_module_type"]``; changes nothing else
@@ -32,7 +36,9 @@ def embedding_args(node: fx.Node) -> tuple:
         return call_arg(node, 0, "input"), call_arg(node, 1, "weight")
     return call_arg(node, 1, "indices"), call_arg(node, 0, "weight")
 
-_ROOT = re.compile(r"^L\[['\"](?:self|fn|mod|model)['\"]\]\.?")
+# A Dynamo source's root: a local or global of the traced frame and any subscripts after it
+# (``L['self']``, ``L['args'][0]``, ``L['kwargs']['model']``, ``G['model']``).
+_ROOT = re.compile(r"^[LG]\[(['\"])[^'\"]*\1\](?:\[[^\]]*\])*\.?")
 _INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 
 
@@ -43,19 +49,65 @@ def module_fqn(path: str) -> str:
     return path.removeprefix("_modules.")
 
 
+class AttributionError(RuntimeError):
+    """No call of a traced graph could be attributed to a module of the model."""
+
+
+class ModuleTree:
+    """Every submodule of a model: its FQN by identity, and its type by FQN."""
+
+    def __init__(self, model: torch.nn.Module):
+        named = list(model.named_modules(remove_duplicate=False))
+        self._fqn = {id(m): name for name, m in reversed(named)}  # a shared module: its first name
+        self._type = {name: type(m) for name, m in named}
+
+    def resolve(self, key: str, path: str, module_type: type | None) -> str | None:
+        """The FQN of the ``nn_module_stack`` entry ``key: (path, module_type)``, or None."""
+        ident = key.partition("@")[0]  # Dynamo adds "@<n>" to the key of a repeated call
+        fqn = self._fqn.get(int(ident)) if ident.isdigit() else None
+        if fqn is not None and self._matches(fqn, module_type):
+            return fqn
+        fqn = module_fqn(path)
+        if fqn in self._type:
+            return fqn if self._matches(fqn, module_type) else None
+        parts = fqn.split(".")
+        for i in range(1, len(parts)):  # the path has a prefix the tree lacks (``__self__.``)
+            if self._matches(suffix := ".".join(parts[i:]), module_type):
+                return suffix
+        ending = [name for name in self._type if name.endswith("." + fqn) and self._matches(name, module_type)]
+        return ending[0] if len(ending) == 1 else None
+
+    def _matches(self, fqn: str, module_type: type | None) -> bool:
+        found = self._type.get(fqn)
+        return found is not None and (module_type is None or found is module_type)
+
+
 def annotate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    unresolved: list[str] = []
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
         stack = node.meta.get("nn_module_stack")
         if stack:
-            path, module_type = list(stack.values())[-1]
-            node.meta["fxlora_module"] = module_fqn(path)
+            key, (path, module_type) = list(stack.items())[-1]
+            fqn = module_fqn(path) if ctx.modules is None else ctx.modules.resolve(str(key), path, module_type)
+            if fqn is None:
+                unresolved.append(path)
+                continue
+            node.meta["fxlora_module"] = fqn
             node.meta["fxlora_module_type"] = module_type
             continue
         weight = node.args[1] if len(node.args) > 1 else None
         if isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target.endswith(".weight"):
             node.meta["fxlora_module"] = weight.target.removesuffix(".weight")
+    if unresolved and not any("fxlora_module" in n.meta for n in gm.graph.nodes) and ctx.pool.targets:
+        import transformers
+
+        raise AttributionError(
+            f"no call in the traced graph could be attributed to a module of the model (transformers "
+            f"{transformers.__version__}, torch {torch.__version__}): Dynamo names the modules e.g. "
+            f"{unresolved[0]!r}, which is not a path of the model's module tree"
+        )
     if not ctx.pool.complete:
         ctx.pool.register_modules(modules_in_graph(gm))
     return gm

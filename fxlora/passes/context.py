@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from fxlora.adapters import AdapterPool
 
 if TYPE_CHECKING:
+    from fxlora.passes.annotate import ModuleTree
     from fxlora.runtime.arena import Arena
 
 
@@ -19,6 +20,7 @@ class PassContext:
     rewritten: dict[str, str] = field(default_factory=dict)  # module FQN -> op it became
     arena: Arena | None = None  # where ``hoist`` places allocations; None: leave them
     inputs: list | None = None  # the real values of the graph's placeholders (Dynamo's example inputs)
+    modules: ModuleTree | None = None  # the traced model's module tree, when known
 
     def note(self, line: str) -> None:
         if line not in self.report:  # passes that look at the same calls may say the same thing

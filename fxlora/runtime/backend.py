@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from fxlora.adapters import AdapterPool, read_adapter
 from fxlora.passes import PassContext, run_pipeline
+from fxlora.passes.annotate import ModuleTree
 from fxlora.passes.specialize import LORA_OPS
 from fxlora.runtime.arena import Arena
 from fxlora.runtime.cuda_graphs import GraphSet
@@ -34,8 +35,11 @@ OPTIONS = ("adapters", "max_loras", "max_rank", "target_modules", "cuda_graphs")
 class Backend:
     """A Dynamo backend bound to one adapter pool."""
 
-    def __init__(self, pool: AdapterPool, cuda_graphs: bool = False):
+    def __init__(self, pool: AdapterPool, cuda_graphs: bool = False, modules: ModuleTree | None = None):
+        """``modules``: the model's module tree, which attributes traced calls to modules by
+        identity; without it, by the paths Dynamo records."""
         self.pool = pool
+        self.modules = modules
         self.cuda_graphs = cuda_graphs
         self.graphs: GraphSet | None = None  # made for the first graph's device
         self.arena = Arena()
@@ -60,7 +64,7 @@ class Backend:
         return cls(pool, cuda_graphs=bool(options.get("cuda_graphs", False)))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
-        ctx = PassContext(self.pool, arena=self.arena, inputs=list(example_inputs))
+        ctx = PassContext(self.pool, arena=self.arena, inputs=list(example_inputs), modules=self.modules)
         lora, nolora = run_pipeline(gm, ctx)
         devices = {self.pool.targets[fqn].info.device for fqn in ctx.rewritten}
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
@@ -102,10 +106,22 @@ def _first_device(example_inputs: list[Any]) -> torch.device:
 
 _BACKENDS: dict[int, tuple[Mapping, Backend]] = {}
 
+# Dynamo's cache entries per code object before it runs the code eagerly. Under
+# ``torch.compile`` every transformers model is traced from one shared ``forward`` wrapper,
+# a few entries per model (sizes of 1 are specialised); the default of 8 serves two or three.
+RECOMPILE_LIMIT = 64
+
+
+def raise_recompile_limit() -> None:
+    if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+        log.info("raising torch._dynamo.config.recompile_limit to %d", RECOMPILE_LIMIT)
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+
 
 def fxlora_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None) -> Router:
     """Entry point for ``torch.compile(model, backend="fxlora", options={...})``."""
     options = options if options is not None else {}
     if id(options) not in _BACKENDS:  # the dict is kept alive beside its backend, so ids stay unique
         _BACKENDS[id(options)] = (options, Backend.from_options(options))
+        raise_recompile_limit()
     return _BACKENDS[id(options)][1](gm, example_inputs)

@@ -20,7 +20,7 @@ import torch
 
 from fxlora.errors import AdapterError
 from fxlora.runtime.cuda_graphs import GraphSet
-from fxlora.runtime.kv_cache import StaticKVCache, probe_shapes, rows_of
+from fxlora.runtime.kv_cache import StaticKVCache, cache_keyword, probe_shapes, rows_of
 from fxlora.runtime.routing import record_coverage, use_slots
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class DecodeRuntime:
         self.column = torch.zeros(1, dtype=torch.long, device=dev)
         forward = inspect.signature(cm.model.forward).parameters
         self._extra = {k: v for k, v in (("logits_to_keep", 1), ("cache_position", None)) if k in forward}
+        self._cache_keyword = cache_keyword(cm.model)
         self.graphs = GraphSet(self.device, cuda_graphs)
         keys = [(v, b) for b in sorted(self.buckets, reverse=True) for v in VARIANTS]
         with torch.no_grad():
@@ -91,21 +92,17 @@ class DecodeRuntime:
             for d in dims:
                 if t.shape[d] > 1:
                     torch._dynamo.maybe_mark_dynamic(t, d)
-        with use_slots(slot_ids), record_coverage() as covered:
+        with use_slots(slot_ids), record_coverage() as coverage:
             out = self.cm._compiled(
                 input_ids=ids,
                 position_ids=positions,
                 attention_mask=mask,
-                past_key_values=self.cache,
                 use_cache=True,
+                **{self._cache_keyword: self.cache},
                 **extra,
             )
-        missing = set(self.cm._backend.rewritten) - covered if slot_ids is not None else ()
-        if missing:
-            raise RuntimeError(
-                f"the LoRA of {len(missing)} module(s), e.g. {sorted(missing)[0]!r}, ran outside the compiled graphs "
-                "(a graph break, or Dynamo's recompile limit): see explain() and TORCH_LOGS=graph_breaks,recompiles"
-            )
+        if slot_ids is not None:
+            coverage.require(set(self.cm._backend.rewritten))
         logits = out.logits if hasattr(out, "logits") else out[0]
         return logits[:, -1]
 

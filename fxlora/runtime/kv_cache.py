@@ -15,6 +15,8 @@ prepared attention mask.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.configuration_utils import PreTrainedConfig
@@ -146,6 +148,12 @@ class _Probe(CacheLayerMixin):
         return -1
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``cache`` from transformers
+    5.24 on, ``past_key_values`` before (still accepted there, with a deprecation warning)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def probe_shapes(model: torch.nn.Module, device: torch.device) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """What each attention layer of ``model`` caches, ``(heads, dim)`` of its keys and of its
@@ -153,7 +161,8 @@ def probe_shapes(model: torch.nn.Module, device: torch.device) -> list[tuple[tup
     values (DeepSeek's compressed MLA latents) are sized right without knowing them."""
     text = model.config.get_text_config(decoder=True)
     layers = [_Probe() for _ in range(_first_attr(text, "num_hidden_layers", "n_layer"))]
-    model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device), past_key_values=Cache(layers=layers), use_cache=True)
+    ids = torch.ones(1, 1, dtype=torch.long, device=device)
+    model(input_ids=ids, use_cache=True, **{cache_keyword(model): Cache(layers=layers)})
     missing = [i for i, layer in enumerate(layers) if layer.shapes is None]
     if missing:
         raise ValueError(f"layers {missing} of the model wrote nothing to the KV cache: cannot size a static cache")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -24,8 +25,7 @@ from fxlora.adapters import AdapterPool
 from fxlora.passes.graph_edit import BASE_CALL, TARGETS
 from fxlora.runtime.cuda_graphs import GraphSet, cpu_work
 
-# Modules whose LoRA ran during the current call, when the caller records them.
-_covered: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("fxlora_covered", default=None)
+_coverage: contextvars.ContextVar[Coverage | None] = contextvars.ContextVar("fxlora_coverage", default=None)
 _adapter_names: contextvars.ContextVar[tuple[str | None, ...] | None] = contextvars.ContextVar(
     "fxlora_adapter_names", default=None
 )
@@ -33,14 +33,59 @@ _NAMES = object()  # _slot_ids' default: route by the adapter names
 _slot_ids: contextvars.ContextVar[object] = contextvars.ContextVar("fxlora_slot_ids", default=_NAMES)
 
 
+class LoraNotRunError(RuntimeError):
+    """A row has an adapter whose LoRA did not run: part of the model ran outside the
+    compiled graphs, so that row would get the base model's output."""
+
+
+@dataclass
+class Coverage:
+    """What the compiled graphs run inside a block served: the pools they read and the
+    modules whose LoRA ran. Code Dynamo does not compile (a graph break, a hit recompile
+    limit) runs the plain model; this is how a caller notices, instead of returning base
+    outputs for adapter rows."""
+
+    pools: dict[int, AdapterPool] = field(default_factory=dict)
+    modules: set[str] = field(default_factory=set)
+
+    def require(self, needed: set[str]) -> None:
+        """Raise if the LoRA of a module in ``needed`` did not run."""
+        if missing := needed - self.modules:
+            raise LoraNotRunError(
+                f"the LoRA of {len(missing)} module(s), e.g. {sorted(missing)[0]!r}, did not run: that code ran "
+                "outside the compiled graphs (a graph break, or Dynamo's recompile limit was hit). See explain() "
+                "and TORCH_LOGS=graph_breaks,recompiles."
+            )
+
+    def require_adapters(self, names: Sequence[str | None]) -> None:
+        """Raise unless the LoRA of every targeted module of these adapters ran."""
+        adapters = {n for n in names if n is not None}
+        if not adapters:
+            return
+        if not self.pools:
+            raise LoraNotRunError(
+                f"rows ask for adapters {sorted(adapters)}, but no fxlora graph ran: the model ran outside the "
+                "compiled graphs (Dynamo's recompile limit was hit, or nothing compiled with the fxlora backend "
+                "was called inside use_adapters). See TORCH_LOGS=recompiles."
+            )
+        for pool in self.pools.values():
+            self.require(pool.modules_of(adapters))
+
+
 @contextlib.contextmanager
 def use_adapters(adapter_names: Sequence[str | None] | None) -> Iterator[None]:
-    """Rows of calls made inside run with these adapters (``None``: the base model)."""
-    token = _adapter_names.set(None if adapter_names is None else tuple(adapter_names))
+    """Rows of calls made inside run with these adapters (``None``: the base model). If a
+    row's adapter did not run on every module it targets (part of the model ran outside
+    the compiled graphs), the block raises :class:`LoraNotRunError` instead of returning
+    base outputs for that row."""
+    names = None if adapter_names is None else tuple(adapter_names)
+    token = _adapter_names.set(names)
     try:
-        yield
+        with record_coverage() as coverage:
+            yield
     finally:
         _adapter_names.reset(token)
+    coverage.require_adapters(names or ())
 
 
 @contextlib.contextmanager
@@ -59,16 +104,14 @@ def current_adapter_names() -> tuple[str | None, ...] | None:
 
 
 @contextlib.contextmanager
-def record_coverage() -> Iterator[set[str]]:
-    """Collects the modules whose LoRA op ran inside the block. Code Dynamo does not
-    compile (a graph break, a hit recompile limit) runs the plain model, and this is how a
-    caller notices instead of returning base outputs for adapter rows."""
-    covered: set[str] = set()
-    token = _covered.set(covered)
+def record_coverage() -> Iterator[Coverage]:
+    """Collects what the graphs run inside the block served (see :class:`Coverage`)."""
+    coverage = Coverage()
+    token = _coverage.set(coverage)
     try:
-        yield covered
+        yield coverage
     finally:
-        _covered.reset(token)
+        _coverage.reset(token)
 
 
 class Router:
@@ -107,13 +150,14 @@ class Router:
 
     def __call__(self, *args):
         slot_ids = self._slot_ids() if self.lora is not None else None
+        coverage = _coverage.get()
+        if coverage is not None:  # a graph runs whole or raises: what it serves is known before it runs
+            coverage.pools[id(self.pool)] = self.pool
+            if slot_ids is not None:
+                coverage.modules |= self.lora_modules
         if slot_ids is None:
             return self._run("nolora", args)
-        out = self._run("lora", (*args, slot_ids))
-        covered = _covered.get()
-        if covered is not None:
-            covered |= self.lora_modules
-        return out
+        return self._run("lora", (*args, slot_ids))
 
     def _run(self, variant: str, args: tuple):
         fn = getattr(self, variant)
