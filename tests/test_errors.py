@@ -132,7 +132,8 @@ def test_no_free_slot(cm, ids, model, tmp_path):
     path = adapter_dir(model, tmp_path)
     cm.load_adapter("second", path)
     try:
-        assert_load_fails(cm, ids, path, "no free slot", name="third")
+        advice = "unload one (unload_adapter) or compile with a larger max_loras="
+        assert_load_fails(cm, ids, path, "no free slot", "max_loras=2", advice, name="third")
     finally:
         cm.unload_adapter("second")
 
@@ -243,3 +244,30 @@ def test_save_file_roundtrip_of_corrupt_tensor_names(cm, ids, model, tmp_path):
     path = adapter_dir(model, tmp_path)
     save_file({"junk": torch.ones(1)}, str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert_load_fails(cm, ids, path, "unrecognised tensor 'junk'")
+
+
+@pytest.fixture(scope="module")
+def small_runtime(model):
+    """Generation for at most 4 rows of 8 tokens, decode graphs for 1 and 2 rows only."""
+    adapter = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj"]), 0, "")
+    return fxlora.compile(model, adapters={"a": adapter}, max_batch_size=4, max_len=8, batch_buckets=[1, 2])
+
+
+def test_generate_beyond_max_batch_size_names_the_compile_argument(small_runtime):
+    ids = torch.randint(3, 96, (5, 3))
+    with pytest.raises(ValueError, match=r"5 rows .* max_batch_size=4: compile with a larger max_batch_size=") as info:
+        small_runtime.generate(ids, max_new_tokens=2)
+    assert "max_batch_size=5" in str(info.value)
+
+
+def test_generate_beyond_max_len_names_the_compile_argument(small_runtime):
+    ids = torch.randint(3, 96, (1, 5))
+    with pytest.raises(ValueError, match=r"max_len=8: compile with a larger max_len=") as info:
+        small_runtime.generate(ids, adapter_names=["a"], max_new_tokens=4)
+    assert "max_len=9" in str(info.value)
+
+
+def test_generate_beyond_the_largest_bucket_names_the_compile_argument(small_runtime):
+    ids = torch.randint(3, 96, (3, 3))
+    with pytest.raises(ValueError, match=r"largest batch bucket, 2: compile with batch_buckets= that include 3"):
+        small_runtime.generate(ids, adapter_names=["a", None, "a"], max_new_tokens=2)

@@ -262,7 +262,8 @@ class AdapterPool:
         free = [s for s in range(self.max_loras) if s not in self.slot_of.values()]
         if not free:
             raise AdapterError(
-                f"adapter {name!r}: no free slot: all max_loras={self.max_loras} slots hold {sorted(self.adapters)}"
+                f"adapter {name!r}: no free slot: all max_loras={self.max_loras} slots hold {sorted(self.adapters)}; "
+                "unload one (unload_adapter) or compile with a larger max_loras="
             )
         if adapter.max_rank > self.max_rank:
             worst = max(adapter.modules, key=lambda m: adapter.modules[m].rank)

@@ -131,7 +131,11 @@ class DecodeRuntime:
         for b in self.buckets:
             if b >= rows:
                 return b
-        raise ValueError(f"a batch of {rows} rows is larger than max_batch_size={self.max_batch_size}")
+        raise ValueError(
+            f"a batch of {rows} rows is larger than the largest batch bucket, {self.buckets[-1]}: compile with "
+            f"batch_buckets= that include {rows} or more (up to max_batch_size={self.max_batch_size}), "
+            "or split the batch"
+        )
 
     def _write_slots(self, slots: list[int]) -> None:
         self.slot_ids.fill_(-1)
@@ -154,11 +158,15 @@ class DecodeRuntime:
         if len(names) != rows:
             raise AdapterError(f"adapter_names has {len(names)} entries but the batch has {rows} rows")
         if rows > self.max_batch_size:
-            raise ValueError(f"a batch of {rows} rows is larger than max_batch_size={self.max_batch_size}")
+            raise ValueError(
+                f"a batch of {rows} rows is larger than max_batch_size={self.max_batch_size}: compile with a larger "
+                f"max_batch_size= (fxlora.compile(..., max_batch_size={rows})), or split the batch"
+            )
         if prompt_len + max_new_tokens > self.max_len:
             raise ValueError(
                 f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds the KV cache's "
-                f"max_len={self.max_len}"
+                f"max_len={self.max_len}: compile with a larger max_len= "
+                f"(fxlora.compile(..., max_len={prompt_len + max_new_tokens})), or ask for fewer new tokens"
             )
         slots = self.cm.pool.slot_ids(names)
         eos = torch.tensor(

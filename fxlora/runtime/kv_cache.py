@@ -108,7 +108,8 @@ class StaticKVCache(Cache):
     def select_rows(self, rows: int) -> None:
         """Point every layer at the first ``rows`` rows."""
         if not 1 <= rows <= self.row_capacity:
-            raise ValueError(f"a batch of {rows} rows does not fit the KV cache's {self.row_capacity} rows")
+            advice = ": compile with a larger max_batch_size=" if rows > self.row_capacity else ""
+            raise ValueError(f"a batch of {rows} rows does not fit the KV cache's {self.row_capacity} rows{advice}")
         self.active_rows = rows
         for layer in self.layers:
             layer.keys, layer.values = rows_of(layer.all_keys, rows), rows_of(layer.all_values, rows)
