@@ -6,3 +6,9 @@ class AdapterError(ValueError):
 
     The message always names the adapter and the file, module, shape or PEFT feature at fault.
     """
+
+
+class LoraNotRunError(RuntimeError):
+    """A row asks for an adapter whose LoRA did not run on a module it targets: that part of
+    the model ran outside the compiled graphs (a graph break, or Dynamo giving up on a frame),
+    so the row would get the base model's output there."""

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import AdapterPool
+from fxlora.errors import LoraNotRunError
 from fxlora.passes.graph_edit import BASE_CALL, TARGETS
 from fxlora.runtime.cuda_graphs import GraphSet, cpu_work
 
@@ -31,11 +32,6 @@ _adapter_names: contextvars.ContextVar[tuple[str | None, ...] | None] = contextv
 )
 _NAMES = object()  # _slot_ids' default: route by the adapter names
 _slot_ids: contextvars.ContextVar[object] = contextvars.ContextVar("fxlora_slot_ids", default=_NAMES)
-
-
-class LoraNotRunError(RuntimeError):
-    """A row has an adapter whose LoRA did not run: part of the model ran outside the
-    compiled graphs, so that row would get the base model's output."""
 
 
 @dataclass
