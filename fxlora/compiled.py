@@ -19,11 +19,12 @@ import torch
 
 from fxlora.adapters import AdapterPool, experts, model_modules, read_adapter
 from fxlora.adapters.peft_format import AdapterSource
+from fxlora.compiler.annotate import ModuleTree
 from fxlora.errors import AdapterError
-from fxlora.passes.annotate import ModuleTree
-from fxlora.runtime import Backend, use_adapters
+from fxlora.runtime import Backend
 from fxlora.runtime.backend import raise_recompile_limit
 from fxlora.runtime.generation import DecodeRuntime, Sampling
+from fxlora.runtime.routing import Selection, check_names, selecting, warn_unnamed
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,17 @@ class CompiledModel(torch.nn.Module):
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: it wraps `model`
         self._runtime_options = dict(runtime_options)
         self._runtime: DecodeRuntime | None = None
+        self._device = next(model.parameters()).device
 
     @property
     def pool(self) -> AdapterPool:
         return self._backend.pool
+
+    @property
+    def backend(self) -> Backend:
+        """The Dynamo backend serving this model: its pool, arena, compiled graphs and the
+        modules each graph rewrote."""
+        return self._backend
 
     @property
     def adapter_names(self) -> list[str]:
@@ -58,26 +66,31 @@ class CompiledModel(torch.nn.Module):
         return len(self._backend.routers)
 
     def forward(self, *args: Any, adapter_names: Sequence[str | None] | None = None, **kwargs: Any) -> Any:
-        if adapter_names is not None:
-            adapter_names = list(adapter_names)
+        names = check_names(adapter_names)
+        if names is None:
+            warn_unnamed(self.pool)
+        else:
             rows = _batch_rows(args, kwargs)
-            if rows is not None and len(adapter_names) != rows:
-                raise AdapterError(f"adapter_names has {len(adapter_names)} entries but the batch has {rows} rows")
-            self.pool.slot_ids(adapter_names)  # unknown names fail here, before any work
+            if rows is not None and len(names) != rows:
+                raise AdapterError(f"adapter_names has {len(names)} entries but the batch has {rows} rows")
+        selection = Selection(names=names)
+        selection.slot_ids(self.pool, self._device)  # resolved once, here: unknown names fail before any work
         # Views of a larger tensor would make Dynamo guard on their base and offset and
         # retrace for each new slicing; a private copy of such small inputs avoids that.
         args = tuple(_own(a) for a in args)
         kwargs = {k: _own(v) for k, v in kwargs.items()}
         for t in (*args, *kwargs.values()):
             mark_batch_dims_dynamic(t)
-        with use_adapters(adapter_names):
-            return self._compiled(*args, **kwargs)
+        with selecting(selection):
+            out = self._compiled(*args, **kwargs)
+        selection.require_adapters()
+        return out
 
     def prepare(self) -> DecodeRuntime:
         """Build the generation runtime now rather than on the first ``generate``: the KV
         cache and static buffers, and on CUDA the decode graphs of every batch bucket."""
         if self._runtime is None:
-            self._runtime = DecodeRuntime(self, **self._runtime_options)
+            self._runtime = DecodeRuntime(self.model, self._compiled, self._backend, **self._runtime_options)
         return self._runtime
 
     @torch.no_grad()
@@ -109,7 +122,7 @@ class CompiledModel(torch.nn.Module):
             pad_token_id = gen_config.pad_token_id
         sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
         return self.prepare().generate(
-            input_ids, attention_mask, adapter_names, max_new_tokens, eos_token_id, pad_token_id, sampling
+            input_ids, attention_mask, check_names(adapter_names), max_new_tokens, eos_token_id, pad_token_id, sampling
         )
 
     def load_adapter(self, name: str, source: AdapterSource) -> None:

@@ -11,8 +11,8 @@ import torch
 
 import fxlora
 from fxlora.adapters import AdapterPool
-from fxlora.passes import PassContext, hoist
-from fxlora.runtime.arena import Arena
+from fxlora.compiler import PassContext, hoist
+from fxlora.compiler.arena import Arena
 
 
 def compiled_with_arena(fn):
@@ -105,7 +105,7 @@ def test_real_model_decode_runs_from_the_arena(family):
     cm = fxlora.compile(model, adapters, max_batch_size=4, max_len=16)
     ids = torch.randint(3, 96, (3, 5))
     before = cm.generate(ids, adapter_names=["a", None, "a"], max_new_tokens=6, eos_token_id=())
-    arena = cm._backend.arena
+    arena = cm.backend.arena
     assert 0 < arena.nbytes < arena.replaced_bytes
     assert "arena:" in cm.explain()
     arena.buffer.fill_(255)  # stale bytes from another call change nothing

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from peft import LoraConfig
 
 import fxlora
+from fxlora.compiler.arena import hoisted
 from fxlora.errors import AdapterError
-from fxlora.runtime.arena import hoisted
 from fxlora.testing import (
     MOE_FAMILIES,
     assert_matches_peft,
@@ -79,7 +79,7 @@ def test_mixed_batch_matches_peft_and_merged(family):
     explain = cm.explain()
     assert "fxlora::moe_lora" in explain and "target_parameters" in explain
     experts_targets = [f for f, t in cm.pool.targets.items() if t.info.kind == "experts"]
-    assert experts_targets and all(cm._backend.rewritten.get(f) == "fxlora::moe_lora" for f in experts_targets)
+    assert experts_targets and all(cm.backend.rewritten.get(f) == "fxlora::moe_lora" for f in experts_targets)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
@@ -208,8 +208,8 @@ def test_generate_equals_peft_greedy(family):
     peft_model = peft_model_with(model, adapters)
     assert torch.equal(out[:, -8:], reference_generate(model, peft_model, names, ids, mask, 8, None, 0))
     # the experts' routing and LoRA scratch is planned in the arena like every other allocation
-    kinds = {n.args[2] for r in cm._backend.routers if r.lora is not None for n in r.lora.graph.nodes if n.target is hoisted}
-    assert {"moe_workspace", "moe_routing_workspace"} <= kinds and cm._backend.arena.nbytes > 0
+    kinds = {n.args[2] for r in cm.backend.routers if r.lora is not None for n in r.lora.graph.nodes if n.target is hoisted}
+    assert {"moe_workspace", "moe_routing_workspace"} <= kinds and cm.backend.arena.nbytes > 0
 
 
 def test_quantised_base_is_named_in_explain():

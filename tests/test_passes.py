@@ -6,13 +6,12 @@ import torch.nn.functional as F
 from toy_graphs import toy_expected, toy_graph, toy_pool
 
 from fxlora.adapters import AdapterPool, model_modules
-from fxlora.passes import PassContext, run_pipeline
-from fxlora.passes.annotate import annotate, module_fqn
-from fxlora.passes.batch_info import SLOT_IDS, batch_info
-from fxlora.passes.fuse import MAX_MEMBERS
-from fxlora.passes.lora_embedding import lora_embedding
-from fxlora.passes.lora_linear import lora_linear
-from fxlora.passes.specialize import specialize
+from fxlora.compiler import PassContext, run_pipeline
+from fxlora.compiler.annotate import annotate, module_fqn
+from fxlora.compiler.batch_info import SLOT_IDS, batch_info
+from fxlora.compiler.fuse import MAX_MEMBERS
+from fxlora.compiler.lora_embedding import lora_embedding
+from fxlora.compiler.lora_linear import lora_linear
 from fxlora.testing import lora_module_names, tiny_model
 
 LORA_LINEAR = torch.ops.fxlora.lora_linear.default
@@ -107,19 +106,24 @@ def test_batch_info_keeps_prologues_of_different_layouts(toy):
 def test_pipeline_on_hand_written_graph(toy):
     model, gm, pool, ids = toy
     original = gm(ids)
-    lora, nolora = run_pipeline(gm, PassContext(pool))
-    assert "fxlora" not in nolora.code
+    traced = [(n.op, n.target, n.args) for n in gm.graph.nodes]
+    variants = run_pipeline(gm, PassContext(pool))
+    lora, nolora = variants.lora, variants.nolora
+    assert [(n.op, n.target, n.args) for n in gm.graph.nodes] == traced  # the caller's graph is left alone
+    assert [(n.op, n.target) for n in nolora.graph.nodes] == [(op, target) for op, target, _ in traced]
     assert torch.equal(nolora(ids), original)
+    assert variants.rewritten == {"emb", "lin1"}
     for names in (["one", None, "two"], [None, None, None], ["two", "two", "one"]):
         slots = torch.tensor(pool.slot_ids(names), dtype=torch.int32)
         torch.testing.assert_close(lora(ids, slots), toy_expected(model, pool, ids, names), rtol=1e-5, atol=1e-6)
     assert torch.equal(lora(ids, torch.full((3,), -1, dtype=torch.int32)), original)
 
 
-def test_specialize_without_lora_ops_is_identity(toy):
-    _, gm, _, _ = toy
-    lora, nolora = specialize(gm)
-    assert lora is None and nolora is gm
+def test_pipeline_without_targets_has_no_lora_variant(toy):
+    _, gm, _, ids = toy
+    variants = run_pipeline(gm, PassContext(AdapterPool(1, 1, [])))
+    assert variants.lora is None and not variants.rewritten
+    assert torch.equal(variants.nolora(ids), gm(ids))
 
 
 def test_pipeline_on_a_traced_model():
@@ -130,7 +134,8 @@ def test_pipeline_on_a_traced_model():
     captured = {}
 
     def backend(gm, example_inputs):
-        captured["lora"], captured["nolora"] = run_pipeline(gm, ctx)
+        variants = run_pipeline(gm, ctx)
+        captured["lora"], captured["nolora"] = variants.lora, variants.nolora
         return captured["nolora"]
 
     ids = torch.randint(3, 96, (2, 5))
@@ -164,7 +169,7 @@ def test_fuse_leaves_linears_a_graph_already_reads_alone():
     pool.targets["model.layers.0.self_attn.k_proj"].wired = True
 
     def backend(gm, example_inputs):
-        return run_pipeline(gm, ctx)[1]
+        return run_pipeline(gm, ctx).nolora
 
     with torch.no_grad():
         torch.compile(model, backend=backend)(input_ids=torch.randint(3, 96, (1, 4)))

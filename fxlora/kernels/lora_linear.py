@@ -68,7 +68,6 @@ def lora_workspace(x: torch.Tensor, lora_a: torch.Tensor, *, device: torch.devic
     return torch.empty((tokens, lora_a.shape[1]), dtype=torch.float32, device=device or x.device)
 
 
-lora_workspace.fxlora_alloc_kind = "lora_workspace"  # the hoist pass places it like torch.empty
 
 
 @torch.library.custom_op("fxlora::lora_linear", mutates_args=("workspace",))

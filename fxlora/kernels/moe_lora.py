@@ -86,8 +86,6 @@ def moe_routing_workspace(top_k_index: torch.Tensor, *, device=None) -> torch.Te
     return torch.empty((4, top_k_index.numel()), dtype=torch.int64, device=device or top_k_index.device)
 
 
-moe_workspace.fxlora_alloc_kind = "moe_workspace"  # the hoist pass places them like torch.empty
-moe_routing_workspace.fxlora_alloc_kind = "moe_routing_workspace"
 
 
 @torch.library.custom_op("fxlora::moe_lora", mutates_args=("workspace", "routing"))

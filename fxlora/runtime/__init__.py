@@ -2,6 +2,6 @@
 ``nolora`` graphs."""
 
 from fxlora.runtime.backend import Backend, fxlora_backend
-from fxlora.runtime.routing import Router, current_adapter_names, use_adapters
+from fxlora.runtime.routing import Router, Selection, use_adapters
 
-__all__ = ["Backend", "Router", "current_adapter_names", "fxlora_backend", "use_adapters"]
+__all__ = ["Backend", "Router", "Selection", "fxlora_backend", "use_adapters"]

@@ -20,10 +20,9 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import AdapterPool, read_adapter
-from fxlora.passes import PassContext, run_pipeline
-from fxlora.passes.annotate import ModuleTree
-from fxlora.passes.specialize import LORA_OPS
-from fxlora.runtime.arena import Arena
+from fxlora.compiler import LORA_OPS, PassContext, run_pipeline
+from fxlora.compiler.annotate import ModuleTree
+from fxlora.compiler.arena import Arena
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.routing import Router
 
@@ -65,12 +64,13 @@ class Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
         ctx = PassContext(self.pool, arena=self.arena, inputs=list(example_inputs), modules=self.modules)
-        lora, nolora = run_pipeline(gm, ctx)
-        devices = {self.pool.targets[fqn].info.device for fqn in ctx.rewritten}
+        variants = run_pipeline(gm, ctx)
+        devices = {self.pool.targets[fqn].info.device for fqn in variants.rewritten}
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
         if self.cuda_graphs and self.graphs is None:
             self.graphs = GraphSet(device, enabled=True)
-        router = Router(lora, nolora, self.pool, device, self.graphs)
+        router = Router(variants, self.pool, device, self.graphs)
+        lora = variants.lora
         kinds = Counter(n.target.name() for n in (lora.graph.nodes if lora else ()) if n.target in LORA_OPS)
         summary = ", ".join(f"{n} x {op}" for op, n in sorted(kinds.items())) or "no LoRA ops"
         ctx.report.insert(0, f"graph {len(self.routers)}: {summary}")

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from fxlora.passes.graph_edit import meta_value
+from fxlora.compiler.graph_edit import meta_value
 
 log = logging.getLogger(__name__)
 

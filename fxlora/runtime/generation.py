@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from fxlora.errors import AdapterError
+from fxlora.runtime.backend import Backend
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.kv_cache import StaticKVCache, cache_keyword, probe_shapes, rows_of
-from fxlora.runtime.routing import record_coverage, use_slots
-
-if TYPE_CHECKING:
-    from fxlora.compiled import CompiledModel
+from fxlora.runtime.routing import use_slots
 
 log = logging.getLogger(__name__)
 
@@ -45,37 +43,41 @@ class DecodeRuntime:
 
     def __init__(
         self,
-        cm: CompiledModel,
+        model: torch.nn.Module,
+        step: Callable[..., Any],
+        backend: Backend,
         max_batch_size: int,
         max_len: int,
         buckets: Sequence[int] | None = None,
         cuda_graphs: bool | None = None,
         progress: bool = True,
     ):
-        param = next(cm.model.parameters())
-        self.cm, self.device, self.dtype = cm, param.device, param.dtype
+        """``step`` calls ``model`` compiled with ``backend`` (whose pool, arena and rewritten
+        modules the runtime reads)."""
+        param = next(model.parameters())
+        self.step, self.backend, self.device, self.dtype = step, backend, param.device, param.dtype
         self.max_batch_size, self.max_len = max_batch_size, max_len
         self.buckets = sorted(set(buckets or default_buckets(max_batch_size)))
         if self.buckets[0] < 1 or self.buckets[-1] > max_batch_size:
             raise ValueError(f"batch buckets {self.buckets} must lie in 1..max_batch_size={max_batch_size}")
-        _check_window(cm.model.config, max_len)
-        shapes = probe_shapes(cm.model, self.device)
-        self.cache = StaticKVCache(cm.model.config, max_batch_size, max_len, self.dtype, self.device, shapes)
+        _check_window(model.config, max_len)
+        shapes = probe_shapes(model, self.device)
+        self.cache = StaticKVCache(model.config, max_batch_size, max_len, self.dtype, self.device, shapes)
         rows, dev = max_batch_size, self.device
         self.ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         self.mask = torch.full((rows, 1, 1, max_len), _masked(self.dtype), dtype=self.dtype, device=dev)
         self.slot_ids = torch.full((rows,), -1, dtype=torch.int32, device=dev)
         self.column = torch.zeros(1, dtype=torch.long, device=dev)
-        forward = inspect.signature(cm.model.forward).parameters
+        forward = inspect.signature(model.forward).parameters
         self._extra = {k: v for k, v in (("logits_to_keep", 1), ("cache_position", None)) if k in forward}
-        self._cache_keyword = cache_keyword(cm.model)
+        self._cache_keyword = cache_keyword(model)
         self.graphs = GraphSet(self.device, cuda_graphs)
         keys = [(v, b) for b in sorted(self.buckets, reverse=True) for v in VARIANTS]
         with torch.no_grad():
             for key in keys:  # traces the decode graphs and measures their allocations
                 self._decode(key)
-            cm._backend.arena.plan(self.device)
+            backend.arena.plan(self.device)
             self.graphs.capture(keys, self._decode, progress=progress)
 
     # -- one model call -------------------------------------------------------------------
@@ -92,8 +94,8 @@ class DecodeRuntime:
             for d in dims:
                 if t.shape[d] > 1:
                     torch._dynamo.maybe_mark_dynamic(t, d)
-        with use_slots(slot_ids), record_coverage() as coverage:
-            out = self.cm._compiled(
+        with use_slots(slot_ids) as selection:
+            out = self.step(
                 input_ids=ids,
                 position_ids=positions,
                 attention_mask=mask,
@@ -102,7 +104,7 @@ class DecodeRuntime:
                 **extra,
             )
         if slot_ids is not None:
-            coverage.require(set(self.cm._backend.rewritten))
+            selection.require(set(self.backend.rewritten))
         logits = out.logits if hasattr(out, "logits") else out[0]
         return logits[:, -1]
 
@@ -168,7 +170,7 @@ class DecodeRuntime:
                 f"max_len={self.max_len}: compile with a larger max_len= "
                 f"(fxlora.compile(..., max_len={prompt_len + max_new_tokens})), or ask for fewer new tokens"
             )
-        slots = self.cm.pool.slot_ids(names)
+        slots = self.backend.pool.slot_ids(names)
         eos = torch.tensor(
             [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
             dtype=torch.long,
@@ -211,7 +213,7 @@ class DecodeRuntime:
             self.ids[:rows, 0].copy_(tokens)
             self.column.fill_(column)
             self.mask[:, 0, 0, column] = 0.0
-            slots = self.cm.pool.slot_ids(names)
+            slots = self.backend.pool.slot_ids(names)
             variant = "lora" if any(s >= 0 for s in slots) else "nolora"
             if variant == "lora":
                 self._write_slots(slots)

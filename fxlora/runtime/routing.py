@@ -1,48 +1,63 @@
 """Per-call adapter selection and the choice between the ``lora`` and ``nolora`` graphs.
 
-``use_adapters`` sets the adapter names of the rows of the next calls (a context
-variable, so threads and tasks keep their own). A ``Router`` is what a compiled graph
-becomes: on each call it reads those names on the host, runs ``nolora`` when no row has
-an adapter, and otherwise passes the rows' slot ids to ``lora``. Nothing here reads
-device memory, so routing never synchronises.
-
-``use_slots`` is the runtime's form of the same choice: it hands the graphs a slot-id
-tensor it owns (a static buffer a CUDA graph reads on every replay), or ``None`` for
-``nolora``, and the names are no longer looked at.
+A :class:`Selection` is the one value a call carries: which adapter each row uses, resolved
+to a per-row slot-id tensor once per pool, and what the compiled graphs served. It lives in a
+context variable (threads and tasks keep their own), so Dynamo never sees it and changing
+adapters never retraces. ``use_adapters`` makes one from names; the runtime's ``use_slots``
+from a slot-id tensor it owns (a static buffer a CUDA graph reads on every replay). A
+:class:`Router` is what a compiled graph becomes: it runs ``nolora`` when no row has an
+adapter and otherwise ``lora`` with the slot ids. Nothing here reads device memory, so
+routing never synchronises.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.fx as fx
 
-from fxlora.adapters import AdapterPool
-from fxlora.errors import LoraNotRunError
-from fxlora.passes.graph_edit import BASE_CALL, TARGETS
+from fxlora.adapters import NO_ADAPTER, AdapterPool
+from fxlora.compiler import Variants
+from fxlora.errors import AdapterError, LoraNotRunError
 from fxlora.runtime.cuda_graphs import GraphSet, cpu_work
 
-_coverage: contextvars.ContextVar[Coverage | None] = contextvars.ContextVar("fxlora_coverage", default=None)
-_adapter_names: contextvars.ContextVar[tuple[str | None, ...] | None] = contextvars.ContextVar(
-    "fxlora_adapter_names", default=None
-)
-_NAMES = object()  # _slot_ids' default: route by the adapter names
-_slot_ids: contextvars.ContextVar[object] = contextvars.ContextVar("fxlora_slot_ids", default=_NAMES)
+log = logging.getLogger(__name__)
 
 
 @dataclass
-class Coverage:
-    """What the compiled graphs run inside a block served: the pools they read and the
-    modules whose LoRA ran. Code Dynamo does not compile (a graph break, a hit recompile
-    limit) runs the plain model; this is how a caller notices, instead of returning base
-    outputs for adapter rows."""
+class Selection:
+    """The rows' adapters for the calls of one block, and what the graphs served.
 
+    ``names`` (one per row, ``None`` for the base model) are resolved to slot ids once per
+    pool and device; ``fixed`` slot ids (or ``fixed_nolora``) serve every graph as they are.
+    ``pools`` and ``modules`` record the pools the graphs read and the modules whose LoRA
+    ran. Code Dynamo does not compile (a graph break, a frame it gave up on) runs the plain
+    model; this is how a caller notices, instead of returning base outputs for adapter rows."""
+
+    names: tuple[str | None, ...] | None = None
+    fixed: torch.Tensor | None = None
+    fixed_nolora: bool = False
     pools: dict[int, AdapterPool] = field(default_factory=dict)
     modules: set[str] = field(default_factory=set)
+    _resolved: dict[tuple[int, torch.device], torch.Tensor | None] = field(default_factory=dict)
+
+    def slot_ids(self, pool: AdapterPool, device: torch.device) -> torch.Tensor | None:
+        """Per-row int32 slot ids on ``device``, or None when no row has an adapter."""
+        if self.fixed is not None or self.fixed_nolora:
+            return self.fixed
+        key = (id(pool), device)
+        if key not in self._resolved:
+            self._resolved[key] = _to_slot_tensor(pool.slot_ids(self.names), device) if self.uses_adapters else None
+        return self._resolved[key]
+
+    @property
+    def uses_adapters(self) -> bool:
+        return self.names is not None and any(n is not None for n in self.names)
 
     def require(self, needed: set[str]) -> None:
         """Raise if the LoRA of a module in ``needed`` did not run."""
@@ -53,11 +68,11 @@ class Coverage:
                 "and TORCH_LOGS=graph_breaks,recompiles."
             )
 
-    def require_adapters(self, names: Sequence[str | None]) -> None:
-        """Raise unless the LoRA of every targeted module of these adapters ran."""
-        adapters = {n for n in names if n is not None}
-        if not adapters:
+    def require_adapters(self) -> None:
+        """Raise unless the LoRA of every targeted module of the named adapters ran."""
+        if not self.uses_adapters:
             return
+        adapters = {n for n in self.names if n is not None}
         if not self.pools:
             raise LoraNotRunError(
                 f"rows ask for adapters {sorted(adapters)}, but no fxlora graph ran: the model ran outside the "
@@ -68,91 +83,99 @@ class Coverage:
             self.require(pool.modules_of(adapters))
 
 
+def _to_slot_tensor(slots: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(slots, dtype=torch.int32).to(device, non_blocking=True)
+
+
+_selection: contextvars.ContextVar[Selection | None] = contextvars.ContextVar("fxlora_selection", default=None)
+
+
+@contextlib.contextmanager
+def selecting(selection: Selection) -> Iterator[Selection]:
+    token = _selection.set(selection)
+    try:
+        yield selection
+    finally:
+        _selection.reset(token)
+
+
 @contextlib.contextmanager
 def use_adapters(adapter_names: Sequence[str | None] | None) -> Iterator[None]:
     """Rows of calls made inside run with these adapters (``None``: the base model). If a
     row's adapter did not run on every module it targets (part of the model ran outside
     the compiled graphs), the block raises :class:`LoraNotRunError` instead of returning
     base outputs for that row."""
-    names = None if adapter_names is None else tuple(adapter_names)
-    token = _adapter_names.set(names)
-    try:
-        with record_coverage() as coverage:
-            yield
-    finally:
-        _adapter_names.reset(token)
-    coverage.require_adapters(names or ())
-
-
-@contextlib.contextmanager
-def use_slots(slot_ids: torch.Tensor | None) -> Iterator[None]:
-    """Calls made inside run ``lora`` with these per-row slot ids (int32, on the graphs'
-    device, -1 for no adapter), or ``nolora`` when ``slot_ids`` is None."""
-    token = _slot_ids.set(slot_ids)
-    try:
+    with selecting(Selection(names=check_names(adapter_names))) as selection:
         yield
-    finally:
-        _slot_ids.reset(token)
+    selection.require_adapters()
 
 
-def current_adapter_names() -> tuple[str | None, ...] | None:
-    return _adapter_names.get()
+BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch; None here too
+
+
+def check_names(adapter_names: Sequence[str | None] | None) -> tuple[str | None, ...] | None:
+    """``adapter_names`` as a tuple with PEFT's ``"__base__"`` read as ``None``, refusing a
+    single string (a slip for a list of one)."""
+    if adapter_names is None:
+        return None
+    if isinstance(adapter_names, str):
+        raise AdapterError(
+            f"adapter_names must be a sequence with one name (or None) per row, got the string {adapter_names!r}: "
+            f"write [{adapter_names!r}] for one row"
+        )
+    return tuple(None if n == BASE else n for n in adapter_names)
 
 
 @contextlib.contextmanager
-def record_coverage() -> Iterator[Coverage]:
-    """Collects what the graphs run inside the block served (see :class:`Coverage`)."""
-    coverage = Coverage()
-    token = _coverage.set(coverage)
-    try:
-        yield coverage
-    finally:
-        _coverage.reset(token)
+def use_slots(slot_ids: torch.Tensor | None) -> Iterator[Selection]:
+    """Calls made inside run ``lora`` with these per-row slot ids (int32, on the graphs'
+    device, :data:`NO_ADAPTER` for no adapter), or ``nolora`` when ``slot_ids`` is None."""
+    with selecting(Selection(fixed=slot_ids, fixed_nolora=slot_ids is None)) as selection:
+        yield selection
+
+
+_warned: weakref.WeakSet[AdapterPool] = weakref.WeakSet()
+
+
+def warn_unnamed(pool: AdapterPool) -> None:
+    """Once per pool: a call that names no adapters while some are loaded runs the base model."""
+    if pool.adapters and pool not in _warned:
+        _warned.add(pool)
+        log.warning(
+            "a call names no adapters while %s are loaded: every row runs the base model. Pass adapter_names "
+            "(or use fxlora.use_adapters under torch.compile), with None for base-model rows",
+            sorted(pool.adapters),
+        )
+
+
+def current_selection() -> Selection | None:
+    return _selection.get()
+
+
+__all__ = ["NO_ADAPTER", "Router", "Selection", "current_selection", "use_adapters", "use_slots"]
 
 
 class Router:
     """Runs one compiled graph's ``lora`` or ``nolora`` variant, as the current names ask."""
 
-    def __init__(
-        self,
-        lora: fx.GraphModule | None,
-        nolora: fx.GraphModule,
-        pool: AdapterPool,
-        device: torch.device,
-        graphs: GraphSet | None = None,
-    ):
+    def __init__(self, variants: Variants, pool: AdapterPool, device: torch.device, graphs: GraphSet | None = None):
         """``graphs``: replay the variants from CUDA graphs captured per input signature."""
-        self.lora, self.nolora, self.pool, self.device = lora, nolora, pool, device
+        self.lora, self.nolora, self.pool, self.device = variants.lora, variants.nolora, pool, device
         self.graphs = graphs
-        variants = (("lora", lora), ("nolora", nolora)) if graphs is not None else ()
-        self.uncapturable = {v: cpu_work(g) for v, g in variants if g is not None}
-        self.lora_modules = frozenset().union(
-            *(
-                n.meta.get(TARGETS) or ({n.meta["fxlora_module"]} if n.meta.get(BASE_CALL) else set())
-                for n in (lora.graph.nodes if lora is not None else ())
-            )
-        )
-
-    def _slot_ids(self) -> torch.Tensor | None:
-        """The rows' slot ids, or None when ``nolora`` serves the call."""
-        given = _slot_ids.get()
-        if given is not _NAMES:
-            return given  # type: ignore[return-value]
-        names = current_adapter_names()
-        if names is None or all(n is None for n in names):
-            return None
-        slots = self.pool.slot_ids(names)
-        return torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
+        self.lora_modules = variants.rewritten
+        candidates = (("lora", self.lora), ("nolora", self.nolora)) if graphs is not None else ()
+        self.uncapturable = {v: cpu_work(g) for v, g in candidates if g is not None}
 
     def __call__(self, *args):
-        slot_ids = self._slot_ids() if self.lora is not None else None
-        coverage = _coverage.get()
-        if coverage is not None:  # a graph runs whole or raises: what it serves is known before it runs
-            coverage.pools[id(self.pool)] = self.pool
-            if slot_ids is not None:
-                coverage.modules |= self.lora_modules
+        selection = _selection.get()
+        if selection is None:
+            warn_unnamed(self.pool)
+            selection = Selection()
+        selection.pools[id(self.pool)] = self.pool
+        slot_ids = selection.slot_ids(self.pool, self.device) if self.lora is not None else None
         if slot_ids is None:
             return self._run("nolora", args)
+        selection.modules |= self.lora_modules  # a graph runs whole or raises
         return self._run("lora", (*args, slot_ids))
 
     def _run(self, variant: str, args: tuple):

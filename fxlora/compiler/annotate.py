@@ -22,8 +22,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxlora.adapters import ModuleInfo
-from fxlora.passes.context import PassContext
-from fxlora.passes.graph_edit import call_arg
+from fxlora.compiler.context import PassContext
+from fxlora.compiler.graph_edit import call_arg
 
 LINEAR = {torch._C._nn.linear, F.linear, torch.ops.aten.linear.default}
 EMBEDDING = {F.embedding, torch.ops.aten.embedding.default}

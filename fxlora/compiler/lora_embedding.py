@@ -14,10 +14,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxlora.passes.annotate import EMBEDDING, embedding_args
-from fxlora.passes.batch_info import batch_info_for
-from fxlora.passes.context import PassContext
-from fxlora.passes.graph_edit import base_calls, call_arg, pool_nodes, replace_with
+from fxlora.compiler.annotate import EMBEDDING, embedding_args
+from fxlora.compiler.batch_info import batch_info_for
+from fxlora.compiler.context import PassContext
+from fxlora.compiler.graph_edit import base_calls, call_arg, pool_nodes, replace_with
 
 
 def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

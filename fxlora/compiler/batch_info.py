@@ -15,8 +15,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxlora.passes.context import PassContext
-from fxlora.passes.graph_edit import ADDED, meta_shape
+from fxlora.compiler.context import PassContext
+from fxlora.compiler.graph_edit import meta_shape
 
 SLOT_IDS = "fxlora_slot_ids"
 _LAYOUT = "fxlora_layout"
@@ -30,7 +30,6 @@ def slot_ids_placeholder(gm: fx.GraphModule) -> fx.Node:
     where = gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before(None)
     with where:
         node = gm.graph.placeholder(SLOT_IDS)
-    node.meta[ADDED] = True
     return node
 
 
@@ -41,12 +40,10 @@ def batch_info_for(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, featur
         torch.ops.fxlora.batch_info.default, (slot_ids, tokens, feature_dims, ctx.pool.max_loras)
     )
     shape = meta_shape(tokens)
-    node.meta[ADDED] = True
     node.meta[_LAYOUT] = None if shape is None else str(shape[: len(shape) - feature_dims])
     outputs = []
     for i in range(len(node.target._schema.returns)):
         out = gm.graph.call_function(operator.getitem, (node, i))
-        out.meta[ADDED] = True
         outputs.append(out)
     return outputs
 

@@ -5,9 +5,9 @@ found by module boundary: the call nodes ``annotate`` attributed to it or its su
 whatever experts implementation traced them (``grouped_mm``, ``batched_mm``). The region
 must have one output; its inputs are the hidden states, the routing (``top_k_index``,
 ``top_k_weights``) and the module's parameters, recognised by identity with the model's
-tensors. The op is inserted after the region and takes over its users; the region's nodes
-are marked, and ``specialize`` drops them from ``lora`` and drops the op from ``nolora``,
-which keeps the region exactly as traced. The layout (transposed weights, the gate, the
+tensors. The op is inserted after the region and takes over its users, and the region's
+nodes, dead then, are erased (``nolora``, copied before this pass, keeps the region exactly
+as traced). The layout (transposed weights, the gate, the
 activation) is read from the experts class (:func:`fxlora.adapters.experts.layout`).
 """
 
@@ -19,10 +19,10 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import experts
+from fxlora.compiler.batch_info import batch_info_for
+from fxlora.compiler.context import PassContext
+from fxlora.compiler.graph_edit import fake_value, meta_value, pool_nodes
 from fxlora.kernels.moe_lora import moe_routing_workspace, moe_workspace
-from fxlora.passes.batch_info import batch_info_for
-from fxlora.passes.context import PassContext
-from fxlora.passes.graph_edit import ADDED, REGION_OUTPUT, REPLACED, TARGETS, fake_value, meta_value, pool_nodes
 
 OP = "fxlora::moe_lora"
 
@@ -97,8 +97,6 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         fake_value(workspace, lambda idx: moe_workspace(idx, a_value, device=idx.device), top_k_index)
         routing = gm.graph.call_function(moe_routing_workspace, (top_k_index,))
         fake_value(routing, moe_routing_workspace, top_k_index)
-        for n in (workspace, routing):
-            n.meta[ADDED] = True
         args = (
             hidden, top_k_index, top_k_weights,
             found["up"], found.get("up_bias"), found["down"], found.get("down_bias"),
@@ -108,11 +106,9 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         op = gm.graph.call_function(torch.ops.fxlora.moe_lora.default, args)
     op.meta.update({k: v for k, v in output.meta.items() if k in ("val", "example_value", "nn_module_stack")})
     op.meta["fxlora_module"] = owner
-    op.meta[REGION_OUTPUT] = output
-    op.meta[TARGETS] = frozenset(f"{owner}.{p}" for p in targets)
     output.replace_all_uses_with(op, delete_user_cb=lambda user: user is not op)
-    for n in region:
-        n.meta[REPLACED] = True
+    for n in reversed(region):  # the region is dead now: its one output's users read the op
+        gm.graph.erase_node(n)
     for p in targets:
         ctx.rewritten[f"{owner}.{p}"] = OP
 

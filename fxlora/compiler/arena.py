@@ -67,11 +67,11 @@ KINDS: dict[str, tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor, tupl
     "new_zeros": (_method("new_zeros"), _zero),
     "new_ones": (_method("new_ones"), _one),
     "new_full": (_method("new_full"), _fill_value(2)),
-    # the LoRA ops' scratch; like every kind, it takes device="meta" to compute its shape
-    lora_workspace.fxlora_alloc_kind: (lora_workspace, _none),
-    moe_workspace.fxlora_alloc_kind: (moe_workspace, _none),
-    moe_routing_workspace.fxlora_alloc_kind: (moe_routing_workspace, _none),
 }
+# The LoRA ops' scratch, which the LoRA passes insert as calls of their own; like every kind,
+# each takes device="meta" to compute its shape.
+WORKSPACES = {f: f.__name__ for f in (lora_workspace, moe_workspace, moe_routing_workspace)}
+KINDS.update({kind: (f, _none) for f, kind in WORKSPACES.items()})
 
 
 @dataclass

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from fxlora.adapters import AdapterPool
 
 if TYPE_CHECKING:
-    from fxlora.passes.annotate import ModuleTree
-    from fxlora.runtime.arena import Arena
+    from fxlora.compiler.annotate import ModuleTree
+    from fxlora.compiler.arena import Arena
 
 
 @dataclass

@@ -2,13 +2,13 @@
 
 Every ``torch.empty / zeros / ones / full / arange``, ``*_like`` and ``new_*`` call, and
 every LoRA workspace the LoRA passes inserted, is replaced by
-``hoisted(plan, site, kind, *args)`` (see :mod:`fxlora.runtime.arena`), with the site's
+``hoisted(plan, site, kind, *args)`` (see :mod:`fxlora.compiler.arena`), with the site's
 lifetime: from the allocation to the last use of any node that may alias it. Aliasing is
 read from the traced values (a view shares its base's storage); a node without a traced
 value is assumed to alias its input. Allocations that reach the graph's output stay as
 they are, since the next graph would overwrite them.
 
-Runs on each variant after ``specialize``, so ``lora`` and ``nolora`` get plans of their
+Runs on each variant, so ``lora`` and ``nolora`` get plans of their
 own, both placed from offset 0 of the model's one arena.
 """
 
@@ -18,9 +18,10 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxlora.passes.context import PassContext
+from fxlora.compiler.arena import WORKSPACES, Site, hoisted
+from fxlora.compiler.context import PassContext
 
-# call_function targets and call_method names, by their kind in fxlora.runtime.arena.KINDS
+# call_function targets and call_method names, by their kind in fxlora.compiler.arena.KINDS
 FUNCTIONS = {
     torch.empty: "empty",
     torch.zeros: "zeros",
@@ -37,7 +38,7 @@ METHODS = {"new_empty", "new_zeros", "new_ones", "new_full"}
 
 def allocation_kind(node: fx.Node) -> str | None:
     if node.op == "call_function":
-        return FUNCTIONS.get(node.target) or getattr(node.target, "fxlora_alloc_kind", None)
+        return FUNCTIONS.get(node.target) or WORKSPACES.get(node.target)
     if node.op == "call_method" and node.target in METHODS:
         return node.target
     return None
@@ -71,8 +72,6 @@ def lifetime(node: fx.Node, order: dict[fx.Node, int]) -> int | None:
 
 
 def hoist(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    from fxlora.runtime.arena import Site, hoisted  # here: fxlora.runtime imports the passes
-
     if ctx.arena is None:
         return gm
     order = {n: i for i, n in enumerate(gm.graph.nodes)}

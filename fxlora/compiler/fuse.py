@@ -7,9 +7,7 @@ GEMM, and its factors are one slice of the multi-slice layout, so one shrink and
 serve them all where each would launch its own. The pool joins the members' factors into that
 layout (:meth:`AdapterPool.join`); each member's users read its output from the op's list.
 
-For ``nolora`` each ``getitem`` remembers its member's base call, so ``specialize`` puts the
-members' own ``F.linear`` calls back. Runs before ``lora_linear``, which takes the linears
-left over. A set is left alone, and reported, when the pool cannot join it or when a
+Runs before ``lora_linear``, which takes the linears left over. A set is left alone, and reported, when the pool cannot join it or when a
 member's weight is computed after the first member's call.
 """
 
@@ -23,10 +21,10 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import PoolTarget
-from fxlora.passes.annotate import LINEAR
-from fxlora.passes.context import PassContext
-from fxlora.passes.graph_edit import ADDED, BASE_CALL, base_calls, call_arg, meta_shape, meta_value
-from fxlora.passes.lora_linear import lora_operands
+from fxlora.compiler.annotate import LINEAR
+from fxlora.compiler.context import PassContext
+from fxlora.compiler.graph_edit import base_calls, call_arg, meta_shape, meta_value
+from fxlora.compiler.lora_linear import lora_operands
 
 MAX_MEMBERS = 4  # the expands update at most four outputs (sgmv.MAX_SLICES); more make several groups
 
@@ -80,9 +78,7 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
         parts = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(members))]
     for (target, node), part in zip(members, parts, strict=True):
         part.meta.update(node.meta)  # the member's traced value and module
-        part.meta[BASE_CALL] = (node.target, node.args, node.kwargs)
         node.replace_all_uses_with(part)
         graph.erase_node(node)
         ctx.rewritten[target.fqn] = "fxlora::lora_linear_fused"
-    fused.meta[ADDED] = True
     return [group.fqns]

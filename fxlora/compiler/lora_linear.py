@@ -16,11 +16,11 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import PoolGroup, PoolTarget
+from fxlora.compiler.annotate import LINEAR, is_conv1d_addmm
+from fxlora.compiler.batch_info import batch_info_for
+from fxlora.compiler.context import PassContext
+from fxlora.compiler.graph_edit import base_calls, call_arg, fake_value, meta_shape, pool_nodes, replace_with
 from fxlora.kernels.lora_linear import lora_workspace
-from fxlora.passes.annotate import LINEAR, is_conv1d_addmm
-from fxlora.passes.batch_info import batch_info_for
-from fxlora.passes.context import PassContext
-from fxlora.passes.graph_edit import ADDED, base_calls, call_arg, fake_value, meta_shape, pool_nodes, replace_with
 
 
 def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -38,7 +38,6 @@ def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         with gm.graph.inserting_before(node):
             if conv1d:
                 weight = gm.graph.call_function(torch.t, (weight,))
-                weight.meta[ADDED] = True
             args = (x, weight, bias, *lora_operands(gm, ctx, x, target))
         replace_with(gm, node, torch.ops.fxlora.lora_linear.default, args)
         ctx.rewritten[fqn] = "fxlora::lora_linear"
@@ -51,6 +50,5 @@ def lora_operands(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, factors: Poo
     the factors' pool buffers, the batch info of ``x``'s tokens and the shrink's workspace."""
     pool = pool_nodes(gm, factors)
     workspace = gm.graph.call_function(lora_workspace, (x, pool[0]))
-    workspace.meta[ADDED] = True
     fake_value(workspace, lambda xv: lora_workspace(xv, factors.lora_a), x)
     return [*pool, *batch_info_for(gm, ctx, x, feature_dims=1), workspace]

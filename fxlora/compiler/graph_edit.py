@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
@@ -13,22 +12,7 @@ import torch.fx as fx
 from fxlora.adapters import PoolGroup, PoolTarget
 
 if TYPE_CHECKING:
-    from fxlora.passes.context import PassContext
-
-ADDED = "fxlora_added"  # meta flag on every node a pass inserts; specialize strips them
-BASE_CALL = "fxlora_base"  # meta on a LoRA op: (target, args, kwargs) of the base call it replaced
-REGION_OUTPUT = "fxlora_region_output"  # meta on a LoRA op that replaced a region: the region's output node
-REPLACED = "fxlora_replaced"  # meta flag on the nodes of such a region; specialize strips them from lora
-TARGETS = "fxlora_targets"  # meta on a region's LoRA op: the pool targets it serves
-
-
-@dataclass(frozen=True)
-class OpArg:
-    """In a remembered base call: "the LoRA op's argument number ``index``", so the base call
-    follows later rewrites of its inputs."""
-
-    index: int
-
+    from fxlora.compiler.context import PassContext
 
 def base_calls(
     gm: fx.GraphModule, ctx: PassContext, kind: str, is_base: Callable[[fx.Node], bool]
@@ -61,7 +45,6 @@ def pool_nodes(gm: fx.GraphModule, target: PoolTarget | PoolGroup) -> list[fx.No
         if not hasattr(gm, name):
             gm.register_buffer(name, getattr(target, field), persistent=False)
         node = gm.graph.get_attr(name)
-        node.meta[ADDED] = True
         nodes.append(node)
     return nodes
 
@@ -73,16 +56,10 @@ def call_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
 
 
 def replace_with(gm: fx.GraphModule, node: fx.Node, op: Callable, args: tuple) -> fx.Node:
-    """Replace ``node`` by ``op(*args)``, remembering the base call for specialize."""
+    """Replace ``node`` by ``op(*args)``, which takes over its metadata."""
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(op, args)
     new.meta.update(node.meta)
-    # inputs the op shares become OpArg; others (e.g. a traced scalar option) stay nodes
-    position = {a: i for i, a in enumerate(args) if isinstance(a, fx.Node)}
-    new.meta[BASE_CALL] = (
-        node.target,
-        *fx.node.map_aggregate((node.args, node.kwargs), lambda a: OpArg(position[a]) if a in position else a),
-    )
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     return new
@@ -108,17 +85,3 @@ def fake_value(node: fx.Node, compute: Callable[[Any], Any], source: fx.Node) ->
     if mode is not None:
         with mode:
             node.meta["example_value"] = compute(val)
-
-
-def base_call(node: fx.Node, copies: dict[fx.Node, fx.Node]) -> tuple[Any, tuple, dict]:
-    """The base call a LoRA op replaced, in terms of the op's current arguments; ``copies``
-    maps the original graph's nodes to this one's (``node`` may live in a copy)."""
-    target, args, kwargs = node.meta[BASE_CALL]
-
-    def resolve(a: Any) -> Any:
-        if isinstance(a, OpArg):
-            return node.args[a.index]
-        return copies.get(a, a) if isinstance(a, fx.Node) else a
-
-    args, kwargs = fx.node.map_aggregate((args, kwargs), resolve)
-    return target, args, kwargs

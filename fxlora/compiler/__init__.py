@@ -1,0 +1,67 @@
+"""The compiler: a traced FX graph in, its ``lora`` and ``nolora`` variants out.
+
+``annotate`` attributes every call to its module; the annotated graph, copied before any
+LoRA pass, is ``nolora``: node for node the traced base computation. The LoRA passes then
+rewrite the other copy in order, each leaving a valid graph, into ``lora``. ``hoist`` turns
+each variant's allocations into sites of the model's one arena.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+import fxlora.kernels  # noqa: F401  (registers the fxlora:: ops the passes emit)
+from fxlora.compiler.annotate import annotate
+from fxlora.compiler.batch_info import batch_info
+from fxlora.compiler.context import PassContext
+from fxlora.compiler.fuse import fuse
+from fxlora.compiler.hoist import hoist
+from fxlora.compiler.lora_embedding import lora_embedding
+from fxlora.compiler.lora_linear import lora_linear
+from fxlora.compiler.lora_moe import lora_moe
+
+Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+
+# The LoRA passes, in order: each rewrites what the ones before left.
+PIPELINE: list[Pass] = [fuse, lora_linear, lora_embedding, lora_moe, batch_info]
+
+LORA_OPS = {
+    torch.ops.fxlora.lora_linear.default,
+    torch.ops.fxlora.lora_linear_fused.default,
+    torch.ops.fxlora.lora_embedding.default,
+    torch.ops.fxlora.moe_lora.default,
+}
+
+
+@dataclass(frozen=True)
+class Variants:
+    """What the compiler makes of one traced graph."""
+
+    lora: fx.GraphModule | None  # None: no module of this graph carries LoRA
+    nolora: fx.GraphModule
+    rewritten: frozenset[str]  # the modules whose LoRA ``lora`` runs
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> Variants:
+    """Annotate a copy of ``gm`` (the caller's graph is left as it was), keep a copy of it as
+    ``nolora``, run the LoRA passes on the other into ``lora``, and hoist each variant's
+    allocations into the arena."""
+    gm = annotate(copy_graph(gm), ctx)
+    nolora = copy_graph(gm)
+    for p in PIPELINE:
+        gm = p(gm, ctx)
+    lora = gm if any(n.target in LORA_OPS for n in gm.graph.nodes) else None
+    return Variants(hoist(lora, ctx) if lora is not None else None, hoist(nolora, ctx), frozenset(ctx.rewritten))
+
+
+__all__ = ["LORA_OPS", "PIPELINE", "PassContext", "Variants", "hoist", "run_pipeline"]
