@@ -23,8 +23,9 @@ import triton.language as tl
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
-from fxlora.kernels import batch_info, bgmv, sgmv
-from fxlora.kernels.lora_linear import lora_linear_triton
+from fxlora.ops import batch_info
+from fxlora.ops.lora_linear import lora_linear_triton
+from fxlora.ops.triton import bgmv, sgmv
 
 
 @triton.jit

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
-import fxlora.kernels  # noqa: F401  (registers the fxlora:: ops the passes emit)
+import fxlora.ops  # noqa: F401  (registers the fxlora:: ops the passes emit)
 from fxlora.passes.annotate import annotate
 from fxlora.passes.batch_info import batch_info
 from fxlora.passes.context import PassContext

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import PoolGroup, PoolTarget
-from fxlora.kernels.lora_linear import lora_workspace
+from fxlora.ops.lora_linear import lora_workspace
 from fxlora.passes.annotate import LINEAR, is_conv1d_addmm
 from fxlora.passes.batch_info import batch_info_for
 from fxlora.passes.context import PassContext

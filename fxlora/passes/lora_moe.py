@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import experts
-from fxlora.kernels.moe_lora import moe_routing_workspace, moe_workspace
+from fxlora.ops.moe_lora import moe_routing_workspace, moe_workspace
 from fxlora.passes.batch_info import batch_info_for
 from fxlora.passes.context import PassContext
 from fxlora.passes.graph_edit import ADDED, REGION_OUTPUT, REPLACED, TARGETS, fake_value, meta_value, pool_nodes

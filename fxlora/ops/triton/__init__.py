@@ -2,7 +2,7 @@
 CPU-only install runs the reference implementations and needs no Triton."""
 
 try:
-    from fxlora.kernels import bgmv, sgmv, slot_sort
+    from fxlora.ops.triton import bgmv, sgmv, slot_sort
 except ImportError:  # no Triton installed
     bgmv = sgmv = slot_sort = None
 

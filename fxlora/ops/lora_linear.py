@@ -6,8 +6,8 @@ The delta is added in place into the base output. Tokens without an adapter, and
 that do not touch this module (rank 0), cost nothing.
 
 On CUDA the base GEMM stays ``F.linear`` (cuBLAS) and the delta comes from the Triton SGMV
-kernels (:mod:`fxlora.kernels.sgmv`; for a handful of tokens the expand of
-:mod:`fxlora.kernels.bgmv`); elsewhere from :func:`lora_delta_reference`.
+kernels (:mod:`fxlora.ops.triton.sgmv`; for a handful of tokens the expand of
+:mod:`fxlora.ops.triton.bgmv`); elsewhere from :func:`lora_delta_reference`.
 
 ``fxlora::lora_linear_fused`` serves several linears that read the same input (q, k and v;
 gate and up): each member keeps its own GEMM and output, and its factors are one slice of
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxlora.kernels.batch_info import slot_groups
-from fxlora.kernels.triton_support import bgmv, sgmv
+from fxlora.ops.batch_info import slot_groups
+from fxlora.ops.triton import bgmv, sgmv
 
 
 def lora_delta_reference(
@@ -111,8 +111,8 @@ def lora_linear_triton(
     overlap: bool = True,
     slice_widths: tuple[int, ...] | None = None,
 ):
-    """The CUDA implementation: the SGMV kernels of :mod:`fxlora.kernels.sgmv`, with the
-    per-token expand of :mod:`fxlora.kernels.bgmv` for few tokens (``bgmv.serves``). With
+    """The CUDA implementation: the SGMV kernels of :mod:`fxlora.ops.triton.sgmv`, with the
+    per-token expand of :mod:`fxlora.ops.triton.bgmv` for few tokens (``bgmv.serves``). With
     ``overlap`` the shrink (which reads only ``x``) runs on a side stream beside the base GEMM;
     under CUDA-graph capture the fork and join become parallel branches of the graph, so the
     shrink's time hides behind the GEMM. ``slice_widths``: several output slices sharing one

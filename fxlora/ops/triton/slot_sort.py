@@ -1,5 +1,5 @@
 """``fxlora::batch_info``'s work in one Triton program: token slots from row slots, the tokens
-sorted by slot (stable) and the compact segment list (see :mod:`fxlora.kernels.batch_info`
+sorted by slot (stable) and the compact segment list (see :mod:`fxlora.ops.batch_info`
 for the outputs' contract; its ATen ops are the reference).
 
 The program holds the whole batch in one block of ``BLOCK`` positions:
