@@ -1,5 +1,7 @@
-"""Custom ops (namespace ``fxlora::``): each with a fake implementation for tracing and a
-PyTorch reference implementation, the oracle in tests."""
+"""Custom ops (namespace ``fxlora::``), one file per op: each with a fake implementation for
+tracing, a PyTorch reference implementation (the oracle in tests) and, on CUDA, an
+implementation over the Triton kernels of :mod:`fxlora.ops.triton`. The bottom layer beside
+:mod:`fxlora.adapters`: nothing here imports the compiler, the runtime or the façade."""
 
 from fxlora.ops.batch_info import batch_info
 from fxlora.ops.lora_embedding import lora_embedding

@@ -1,5 +1,7 @@
-"""Whether the Triton kernels are available: Triton ships with CUDA builds of PyTorch; a
-CPU-only install runs the reference implementations and needs no Triton."""
+"""The Triton kernels and their launchers: ``sgmv`` (segmented shrink and expand), ``bgmv``
+(per-token expand) and ``slot_sort`` (batch info in one launch). Triton ships with CUDA builds
+of PyTorch; a CPU-only install runs the ops' reference implementations and needs no Triton:
+then these names are None."""
 
 try:
     from fxlora.ops.triton import bgmv, sgmv, slot_sort
