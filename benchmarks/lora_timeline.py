@@ -69,13 +69,13 @@ def main() -> None:
     ws = torch.empty(tokens, slices * rank, device="cuda")
     sliced = widths if slices > 1 else None
     y = F.linear(x, w)
-    shrink_config = sgmv.shrink_config(tokens, k, slices * rank, slices)  # as the op picks it: one GEMM
+    shrink_config = sgmv.shrink_config(tokens, k, slices * rank, slices, x.device)  # as the op picks it: one GEMM
 
     def op(overlap=True):
         return lora_linear_triton(x, w, None, a, b, scaling, ranks, *meta, ws, overlap=overlap, slice_widths=sliced)
 
     def expand(y=y):
-        if bgmv.serves(tokens, rank):
+        if bgmv.serves(tokens, rank, x.device):
             bgmv.lora_expand(y, ws, b, scaling, ranks, token_slot, sliced)
         else:
             sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length, seg_slot, sliced)

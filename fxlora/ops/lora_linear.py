@@ -130,11 +130,11 @@ def _with_lora_delta(
     into its output(s); ``one_gemm``: whether ``base`` is one GEMM launch for all slices."""
     x2 = x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
     slices = len(slice_widths or (None,))
-    config = sgmv.shrink_config(x2.shape[0], x2.shape[1], lora_a.shape[1], slices if one_gemm else 1)
+    config = sgmv.shrink_config(x2.shape[0], x2.shape[1], lora_a.shape[1], slices if one_gemm else 1, x.device)
     shrink = lambda: sgmv.lora_shrink(  # noqa: E731
         x2, lora_a, rank, sorted_tokens, seg_start, seg_len, seg_slot, slices, config, out=workspace
     )
-    if bgmv.serves(x2.shape[0], lora_b.shape[-1]):
+    if bgmv.serves(x2.shape[0], lora_b.shape[-1], x.device):
         expand = lambda y, v: bgmv.lora_expand(y, v, lora_b, scaling, rank, token_slot, slice_widths)  # noqa: E731
     else:
         expand = lambda y, v: sgmv.lora_expand(  # noqa: E731
