@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.testing
 
-from fxlora.kernels import batch_info
-from fxlora.kernels.lora_linear import lora_linear_triton
+from fxlora.ops import batch_info
+from fxlora.ops.lora_linear import lora_linear_triton
 
 DTYPE = torch.bfloat16
 COLD_TOKENS, COLD_BYTES = 256, 200 << 20  # H100 L2: 50 MB

@@ -23,8 +23,9 @@ import triton.language as tl
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
-from fxlora.kernels import batch_info, bgmv, sgmv
-from fxlora.kernels.lora_linear import lora_linear_triton
+from fxlora.ops import batch_info
+from fxlora.ops.lora_linear import lora_linear_triton
+from fxlora.ops.triton import bgmv, sgmv
 
 
 @triton.jit
@@ -68,13 +69,13 @@ def main() -> None:
     ws = torch.empty(tokens, slices * rank, device="cuda")
     sliced = widths if slices > 1 else None
     y = F.linear(x, w)
-    shrink_config = sgmv.shrink_config(tokens, k, slices * rank, slices)  # as the op picks it: one GEMM
+    shrink_config = sgmv.shrink_config(tokens, k, slices * rank, slices, x.device)  # as the op picks it: one GEMM
 
     def op(overlap=True):
         return lora_linear_triton(x, w, None, a, b, scaling, ranks, *meta, ws, overlap=overlap, slice_widths=sliced)
 
     def expand(y=y):
-        if bgmv.serves(tokens, rank):
+        if bgmv.serves(tokens, rank, x.device):
             bgmv.lora_expand(y, ws, b, scaling, ranks, token_slot, sliced)
         else:
             sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length, seg_slot, sliced)

@@ -2,9 +2,9 @@
 
     python benchmarks/lora_tune.py [sgmv] [bgmv] [switch] [in_context] [expand_in_context]
 
-Times each kernel alone inside a CUDA graph (median, microseconds), so the tables in
-``shrink_config`` / ``expand_config`` of ``fxlora/kernels/sgmv.py`` and ``bgmv.py`` can be
-chosen from measurements. ``switch`` times the whole op as ``lora_linear`` runs it on CUDA with
+Times each kernel alone inside a CUDA graph (median, microseconds), so the entries of the
+launch table (``fxlora/ops/triton/launch_table.py``) for this device can be chosen from
+measurements. ``switch`` times the whole op as ``lora_linear`` runs it on CUDA with
 either family's expand, to place the token count where one hands over to the other;
 ``in_context`` the shrink's parameters inside that op, where it shares SMs with the GEMM;
 ``expand_in_context`` the expands of both families right after the GEMM, at decode shapes.
@@ -18,7 +18,8 @@ import sys
 import torch
 import triton.testing
 
-from fxlora.kernels import batch_info, bgmv, sgmv
+from fxlora.ops import batch_info
+from fxlora.ops.triton import bgmv, sgmv
 
 SGMV_CASES = [  # (tokens, K, slice widths, rank, adapters)
     (256, 4096, (4096,), 16, 16),
@@ -83,7 +84,11 @@ def sgmv_case(tokens, k, widths, rank, adapters) -> None:
     x, y, a, b, scaling, ranks, (_, order, start, length, seg_slot), v = case(tokens, k, widths, rank, adapters)
     slices, ranks_cols = len(widths), a.shape[1]
     print(f"sgmv T={tokens} K={k} widths={widths} r={rank} adapters={adapters}")
-    print("  default", sgmv.shrink_config(tokens, k, ranks_cols), sgmv.expand_config(tokens, rank, adapters, slices))
+    print(
+        "  default",
+        sgmv.shrink_config(tokens, k, ranks_cols, device=x.device),
+        sgmv.expand_config(tokens, rank, adapters, slices, device=x.device),
+    )
     shrink = [
         (cfg, lambda cfg=cfg: sgmv.lora_shrink(x, a, ranks, order, start, length, seg_slot, slices, config=cfg))
         for bm, bk, split, warps, br in itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8, 16), (2, 4, 8), (64, 256))
@@ -104,7 +109,7 @@ def sgmv_case(tokens, k, widths, rank, adapters) -> None:
 
 def bgmv_case(tokens, k, widths, rank, adapters) -> None:
     _, y, _, b, scaling, ranks, (slot, *_), v = case(tokens, k, widths, rank, adapters)
-    print(f"bgmv T={tokens} widths={widths} r={rank} adapters={adapters}  default {bgmv.expand_config(tokens)}")
+    print(f"bgmv T={tokens} widths={widths} r={rank} adapters={adapters}  default {bgmv.expand_config(tokens, y.device)}")
     expand = [
         (cfg, lambda cfg=cfg: bgmv.lora_expand(y, v, b, scaling, ranks, slot, widths, config=cfg))
         for bn, warps in itertools.product((32, 64, 128, 256, 512), (1, 2, 4, 8))
@@ -159,7 +164,7 @@ def in_context_case(tokens, rank, adapters, widths) -> None:
     slices = len(widths)
     copies = [(x.clone(), w.clone(), a.clone()) for _ in range(-(-(200 << 20) // w.nbytes))]
     sliced = widths if slices > 1 else None
-    if bgmv.serves(tokens, rank):
+    if bgmv.serves(tokens, rank, x.device):
         expand = lambda y: bgmv.lora_expand(y, ws, b, scaling, ranks, slot, sliced)  # noqa: E731
     else:
         expand = lambda y: sgmv.lora_expand(y, ws, b, scaling, ranks, order, start, length, seg_slot, sliced)  # noqa: E731
@@ -179,7 +184,7 @@ def in_context_case(tokens, rank, adapters, widths) -> None:
         for cfg in [sgmv.ShrinkConfig(16, bk, split, warps, block_r=br, num_stages=stages)]
     ]
     base = us(lambda: [torch.nn.functional.linear(cx, cw) for cx, cw, _ in copies]) / len(copies)
-    table = sgmv.shrink_config(tokens, 4096, slices * rank, slices)  # one GEMM for all slices
+    table = sgmv.shrink_config(tokens, 4096, slices * rank, slices, x.device)  # one GEMM for all slices
     print(
         f"T={tokens} r={rank} adapters={adapters} widths={widths} base {base:.1f}us (per op, weights from HBM), "
         f"table's choice {us(cold(table)) / len(copies):.1f}us {table}"
@@ -208,7 +213,7 @@ def expand_in_context_case(tokens, adapters, widths) -> None:
     segmented = after_gemm(lambda y: sgmv.lora_expand(y, v, b, scaling, ranks, order, start, length, seg_slot, sliced))
     print(
         f"T={tokens} adapters={adapters} widths={widths} base {base:.1f}us, with the segmented expand "
-        f"{us(segmented) / len(copies):.1f}us; per-token default {bgmv.expand_config(tokens)}"
+        f"{us(segmented) / len(copies):.1f}us; per-token default {bgmv.expand_config(tokens, x.device)}"
     )
     runs = [
         (cfg, after_gemm(lambda y, cfg=cfg: bgmv.lora_expand(y, v, b, scaling, ranks, slot, sliced, cfg)))

@@ -9,8 +9,8 @@ import torch
 from peft import LoraConfig
 
 import fxlora
-from fxlora.kernels import batch_info, lora_embedding, lora_linear, lora_linear_fused
-from fxlora.kernels.lora_linear import lora_delta_reference, lora_linear_triton, lora_workspace
+from fxlora.ops import batch_info, lora_embedding, lora_linear, lora_linear_fused
+from fxlora.ops.lora_linear import lora_delta_reference, lora_linear_triton, lora_workspace
 from fxlora.testing import assert_matches_peft, lora_module_names, make_adapter, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

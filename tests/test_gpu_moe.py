@@ -12,8 +12,8 @@ import torch
 from peft import LoraConfig
 
 import fxlora
-from fxlora.kernels import batch_info
-from fxlora.kernels.moe_lora import moe_lora, moe_lora_triton, moe_routing_workspace, moe_workspace
+from fxlora.ops import batch_info
+from fxlora.ops.moe_lora import moe_lora, moe_lora_triton, moe_routing_workspace, moe_workspace
 from fxlora.testing import assert_matches_peft, make_adapter, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

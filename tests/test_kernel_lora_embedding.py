@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fxlora.kernels import batch_info, lora_embedding
+from fxlora.ops import batch_info, lora_embedding
 
 
 @given(

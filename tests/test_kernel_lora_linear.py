@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lora_cases import DEVICE
 
-from fxlora.kernels import batch_info, lora_linear, lora_linear_fused
-from fxlora.kernels.lora_linear import lora_workspace
-from fxlora.kernels.triton_support import sgmv
+from fxlora.ops import batch_info, lora_linear, lora_linear_fused
+from fxlora.ops.lora_linear import lora_workspace
+from fxlora.ops.triton import sgmv
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
 
@@ -131,8 +131,8 @@ def test_lora_linear_fused_keeps_leading_dims_and_fake():
     data=st.data(),
 )
 def test_triton_implementations_match_the_references(per_row, max_rank, rows, widths, dtype, data):
-    from fxlora.kernels import bgmv
-    from fxlora.kernels.lora_linear import lora_linear_fused_triton, lora_linear_triton
+    from fxlora.ops.lora_linear import lora_linear_fused_triton, lora_linear_triton
+    from fxlora.ops.triton import bgmv
 
     assert bgmv.serves(rows * per_row, max_rank) == (per_row == 1)
     num_slots, d_in = 3, 24

@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxlora.kernels import batch_info
-from fxlora.kernels.moe_lora import GATES, moe_lora, moe_lora_triton, moe_routing_workspace, moe_workspace
+from fxlora.ops import batch_info
+from fxlora.ops.moe_lora import GATES, moe_lora, moe_lora_triton, moe_routing_workspace, moe_workspace
 
-pytest.importorskip("fxlora.kernels.sgmv")
+pytest.importorskip("fxlora.ops.triton.sgmv")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float16: dict(rtol=2e-2, atol=2e-2), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}

@@ -19,10 +19,10 @@ LAYERS = {
     "compiler": 2,
     "runtime": 3,
     "compiled": 4,
-    "testing": 4,
-    "demo": 5,
-    "__main__": 5,
-    "__init__": 5,
+    "__init__": 5,  # the public API
+    "testing": 6,  # users of the public API
+    "demo": 7,  # the demo uses the testing helpers
+    "__main__": 7,
 }
 
 

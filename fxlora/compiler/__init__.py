@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-import fxlora.kernels  # noqa: F401  (registers the fxlora:: ops the passes emit)
+import fxlora.ops  # noqa: F401  (registers the fxlora:: ops the passes emit)
 from fxlora.compiler.annotate import annotate
 from fxlora.compiler.batch_info import batch_info
 from fxlora.compiler.context import PassContext

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from fxlora.kernels.lora_linear import lora_workspace
-from fxlora.kernels.moe_lora import moe_routing_workspace, moe_workspace
+from fxlora.ops.lora_linear import lora_workspace
+from fxlora.ops.moe_lora import moe_routing_workspace, moe_workspace
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from fxlora.adapters import experts
 from fxlora.compiler.batch_info import batch_info_for
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.graph_edit import fake_value, meta_value, pool_nodes
-from fxlora.kernels.moe_lora import moe_routing_workspace, moe_workspace
+from fxlora.ops.moe_lora import moe_routing_workspace, moe_workspace
 
 OP = "fxlora::moe_lora"
 

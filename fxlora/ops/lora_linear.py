@@ -6,8 +6,8 @@ The delta is added in place into the base output. Tokens without an adapter, and
 that do not touch this module (rank 0), cost nothing.
 
 On CUDA the base GEMM stays ``F.linear`` (cuBLAS) and the delta comes from the Triton SGMV
-kernels (:mod:`fxlora.kernels.sgmv`; for a handful of tokens the expand of
-:mod:`fxlora.kernels.bgmv`); elsewhere from :func:`lora_delta_reference`.
+kernels (:mod:`fxlora.ops.triton.sgmv`; for a handful of tokens the expand of
+:mod:`fxlora.ops.triton.bgmv`); elsewhere from :func:`lora_delta_reference`.
 
 ``fxlora::lora_linear_fused`` serves several linears that read the same input (q, k and v;
 gate and up): each member keeps its own GEMM and output, and its factors are one slice of
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxlora.kernels.batch_info import slot_groups
-from fxlora.kernels.triton_support import bgmv, sgmv
+from fxlora.ops.batch_info import slot_groups
+from fxlora.ops.triton import bgmv, sgmv
 
 
 def lora_delta_reference(
@@ -110,8 +110,8 @@ def lora_linear_triton(
     overlap: bool = True,
     slice_widths: tuple[int, ...] | None = None,
 ):
-    """The CUDA implementation: the SGMV kernels of :mod:`fxlora.kernels.sgmv`, with the
-    per-token expand of :mod:`fxlora.kernels.bgmv` for few tokens (``bgmv.serves``). With
+    """The CUDA implementation: the SGMV kernels of :mod:`fxlora.ops.triton.sgmv`, with the
+    per-token expand of :mod:`fxlora.ops.triton.bgmv` for few tokens (``bgmv.serves``). With
     ``overlap`` the shrink (which reads only ``x``) runs on a side stream beside the base GEMM;
     under CUDA-graph capture the fork and join become parallel branches of the graph, so the
     shrink's time hides behind the GEMM. ``slice_widths``: several output slices sharing one
@@ -129,11 +129,11 @@ def _with_lora_delta(
     into its output(s); ``one_gemm``: whether ``base`` is one GEMM launch for all slices."""
     x2 = x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
     slices = len(slice_widths or (None,))
-    config = sgmv.shrink_config(x2.shape[0], x2.shape[1], lora_a.shape[1], slices if one_gemm else 1)
+    config = sgmv.shrink_config(x2.shape[0], x2.shape[1], lora_a.shape[1], slices if one_gemm else 1, x.device)
     shrink = lambda: sgmv.lora_shrink(  # noqa: E731
         x2, lora_a, rank, sorted_tokens, seg_start, seg_len, seg_slot, slices, config, out=workspace
     )
-    if bgmv.serves(x2.shape[0], lora_b.shape[-1]):
+    if bgmv.serves(x2.shape[0], lora_b.shape[-1], x.device):
         expand = lambda y, v: bgmv.lora_expand(y, v, lora_b, scaling, rank, token_slot, slice_widths)  # noqa: E731
     else:
         expand = lambda y, v: sgmv.lora_expand(  # noqa: E731

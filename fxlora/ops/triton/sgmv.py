@@ -30,6 +30,8 @@ On Hopper and later the expand is launched as a programmatic dependent (PDL) of 
 before it, so its launch overlaps that kernel's tail; it waits for it (``gdc_wait``) before
 reading anything.
 
+Launch parameters come from :mod:`fxlora.ops.triton.launch_table`, per device and shape class.
+
 Graph safety: the grids are sized for the worst case — ``cdiv(T, BLOCK_M)`` plus one per
 entry of the segment list — and a program with nothing to do (past its segment, a rank-0 slot)
 returns at once. Launches depend only on shapes, never on which adapters are present, so
@@ -39,13 +41,14 @@ they can be captured in a CUDA graph and replayed with other assignments.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
+
+from fxlora.ops.triton.launch_table import ExpandConfig, ShrinkConfig, expand_config, shrink_config
 
 
 @triton.jit
@@ -58,13 +61,13 @@ def _segment_block(
 
     In a list of up to ``FANOUT`` segments their blocks are numbered back to back (a sum over
     every segment's block count), so the busy programs come first: at decode that is faster
-    than leaving gaps between them (qkv at 64 tokens with 4 adapters: 5.0 against 6.5 µs on an
-    H100). A longer list cannot afford that sum in every program. There segment ``i``'s
-    blocks begin at program ``i + seg_start[i] // BLOCK_M``: the segments lie in order in
-    ``sorted_tokens`` from its start, so that grows with ``i``, one segment's blocks end
-    before the next one's begin, and every program id stays below ``cdiv(T, BLOCK_M) +
-    num_segs``. A first load of every ``SEGS_P2 // FANOUT``-th start picks the stretch that
-    holds ``pid``'s segment and a second finds it: no program reads every segment."""
+    than leaving gaps between them. A longer list cannot afford that sum in every program.
+    There segment ``i``'s blocks begin at program ``i + seg_start[i] // BLOCK_M``: the segments
+    lie in order in ``sorted_tokens`` from its start, so that grows with ``i``, one segment's
+    blocks end before the next one's begin, and every program id stays below
+    ``cdiv(T, BLOCK_M) + num_segs``. A first load of every ``SEGS_P2 // FANOUT``-th start
+    picks the stretch that holds ``pid``'s segment and a second finds it: no program reads
+    every segment."""
     if SEGS_P2 > FANOUT:
         STEP: tl.constexpr = SEGS_P2 // FANOUT
         coarse = tl.arange(0, FANOUT) * STEP
@@ -136,7 +139,7 @@ def _shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, ROWS_LAST: tl.constexpr,
 ):
-    if ROWS_LAST:  # see ShrinkConfig.rows_last
+    if ROWS_LAST:  # see launch_table.ShrinkConfig.rows_last
         row_pid, rank_pid, split = tl.program_id(2), tl.program_id(0), tl.program_id(1)
     else:
         row_pid, rank_pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -185,7 +188,7 @@ def _expand_kernel(
 ):
     if PDL:  # launched before the kernel ahead finishes: wait for it before reading anything
         gdc_wait()
-    if ROWS_LAST:  # see ShrinkConfig.rows_last
+    if ROWS_LAST:  # see launch_table.ShrinkConfig.rows_last
         pid, col_pid, sl = tl.program_id(2), tl.program_id(0), tl.program_id(1)
     else:  # row blocks from the last: the rows of y the GEMM wrote last are the likeliest still in L2
         pid, col_pid, sl = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -223,78 +226,6 @@ def _expand_kernel(
         else:
             delta = tl.dot(vs, tl.trans(b))
         tl.store(out, (y.to(tl.float32) + delta * scale).to(y.dtype), mask=mask)
-
-
-@dataclass(frozen=True)
-class ShrinkConfig:
-    block_m: int
-    block_k: int
-    split_k: int
-    num_warps: int
-    block_r: int = 64  # at most this many rank rows per program
-    num_stages: int = 3  # software-pipelining depth of the loop over the features
-    # Row blocks on the grid's slowest axis, taken in order. Programs are dispatched in grid
-    # order: with rows on the fastest axis the programs whose row block has no segment (at
-    # decode most entries of the list are empty when the pool holds more adapters than the
-    # batch uses) are interleaved with the busy ones of every column tile or split; on the
-    # slowest they come after every busy one. Op delta at 64 tokens with 16 adapters in use
-    # from a pool of 64 on an H100: 9.2 against 6.0 us (6.9 with the expand's rows taken from
-    # the last). At prefill with one adapter per token rows first are 4% faster.
-    rows_last: bool = False
-
-
-@dataclass(frozen=True)
-class ExpandConfig:
-    block_m: int
-    block_n: int
-    num_warps: int
-    tiles: int = 1  # column tiles per program, looped over with pipelined loads
-    stages: int = 2
-    rows_last: bool = False  # as ShrinkConfig.rows_last
-
-
-# Chosen per shape class from benchmarks/lora_tune.py on an H100 (bf16, K = N = 4096, and
-# the fused qkv shape): small token counts split the shrink's reduction widely so that enough
-# programs run; long runs of tokens read x once for all rank rows (several slices' worth) and
-# stream the expand's column tiles through each program.
-def shrink_config(tokens: int, k: int, ranks: int, gemm_slices: int = 1) -> ShrinkConfig:
-    """``gemm_slices``: how many output slices the base GEMM beside the shrink writes in one
-    launch (a fused ``qkv_proj``: 3; separate q, k and v GEMMs: 1)."""
-    # Up to 64 tokens, chosen inside the whole op: the shrink runs beside the GEMM, which holds
-    # nearly every SM, so at decode small programs (1-2 warps, shallow pipelines, at most 32
-    # rank rows: little shared memory) win, many of them: they fit beside the GEMM's blocks.
-    # More rank rows (rank 64, several slices) take more programs, not bigger ones. Beside one
-    # GEMM over several slices, 33-64 tokens too take one 256-wide step per program (as fast or
-    # faster for every such shape measured); single-slice GEMMs there differ by the kernel cuBLAS
-    # picks, which no shape tells.
-    if tokens <= 8 or (gemm_slices > 1 and 32 < tokens <= 64):
-        return ShrinkConfig(16, 256, max(1, min(16, k // 256)), 2, block_r=32, num_stages=1, rows_last=True)
-    # Up to 64 rank rows beside one GEMM over several slices (qkv at rank 16, cold op delta, µs,
-    # 1 / 16 adapters): 16 rank rows per program and a 32-way split, 1.73-1.87 against 2.21-2.37
-    # at 32 tokens (16 adapters; with 4 level); 6.0 / 9.5 against 9.0 / 11.6 at 128 tokens, 6.4 / 9.6
-    # against 10.0 / 12.1 at 256; at 512 (hot) 8.8 / 11.9 against 10.3 / 11.9. At 2048 tokens
-    # they would be 44 / 49 against 25 / 37.
-    if gemm_slices > 1 and ranks <= 64 and tokens <= 512:
-        return ShrinkConfig(16, 128, max(1, min(32, k // 128)), 1, block_r=16, num_stages=1, rows_last=True)
-    if tokens <= 64:
-        return ShrinkConfig(16, 128, max(1, min(16, k // 128)), 1, block_r=32, num_stages=2, rows_last=True)
-    if tokens <= 512:
-        return ShrinkConfig(16, 128, max(1, min(8, k // 128)), 2)
-    if ranks > 64:
-        return ShrinkConfig(64, 64, max(1, min(4, k // 64)), 8, block_r=256)
-    return ShrinkConfig(64, 64, max(1, min(8, k // 64)), 4)
-
-
-def expand_config(tokens: int, rank: int, segments: int = 1, slices: int = 1) -> ExpandConfig:
-    if tokens <= 512:
-        return ExpandConfig(16, 256 if rank > 32 else 128, 4, rows_last=tokens <= 64)
-    if rank <= 32:  # 1024 columns per program: short segments pay a program's set-up less often
-        return ExpandConfig(16, 256, 4, tiles=4, stages=2)
-    if slices > 1:  # measured in the whole op: qkv 6-11 us faster at 2048 tokens, MLA and gate/up level
-        return ExpandConfig(64, 64, 4, tiles=8, stages=2)
-    if tokens >= 128 * segments:  # long segments: 128-row blocks read each B tile half as often
-        return ExpandConfig(128, 64, 8, tiles=4, stages=2)
-    return ExpandConfig(64, 64, 4, tiles=4, stages=2)
 
 
 @cache
@@ -384,7 +315,7 @@ def lora_shrink(
     tokens, k = x.shape
     _, ranks, _ = lora_a.shape
     segs = seg_len.numel()
-    cfg = config or shrink_config(tokens, k, ranks)
+    cfg = config or shrink_config(tokens, k, ranks, device=x.device)
     if out is None:
         v = torch.zeros(tokens, ranks, dtype=torch.float32, device=x.device)
     else:
@@ -423,7 +354,7 @@ def lora_expand(
     tokens = y.shape[0]
     _, _, max_rank = lora_b.shape
     segs = seg_len.numel()
-    cfg = config or expand_config(tokens, max_rank, segs, len(widths))
+    cfg = config or expand_config(tokens, max_rank, segs, len(widths), device=y.device)
     lora_b = rows_contiguous(lora_b)
     grid = _grid(triton.cdiv(tokens, cfg.block_m) + segs, triton.cdiv(max(widths), cfg.block_n * cfg.tiles), len(widths), cfg.rows_last)
     _expand_kernel[grid](

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxlora.kernels.batch_info import slot_groups
-from fxlora.kernels.triton_support import sgmv
+from fxlora.ops.batch_info import slot_groups
+from fxlora.ops.triton import sgmv
 
 
 def lora_embedding_delta_reference(

@@ -27,7 +27,7 @@ the host; it is the implementation on CPU and the oracle of the CUDA one.
 On CUDA (:func:`moe_lora_triton`) nothing depends on the routing's values on the host: the
 token–expert pairs are sorted by expert on the device, the base GEMMs are grouped GEMMs
 over the experts' segments (``grouped_mm``), and the LoRA deltas are the SGMV kernels of
-:mod:`fxlora.kernels.sgmv` over a list of ``(slot, expert)`` segments (the pool read as
+:mod:`fxlora.ops.triton.sgmv` over a list of ``(slot, expert)`` segments (the pool read as
 ``slots · E`` adapters; at most one entry per pair, as ``fxlora::batch_info``'s), whose sizes
 are fixed by the token count and ``top_k``.
 So the op is capturable in a CUDA graph and replays with any routing and adapters. Its
@@ -41,8 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxlora.kernels.batch_info import fast_token_segments, slot_groups
-from fxlora.kernels.triton_support import sgmv
+from fxlora.ops.batch_info import fast_token_segments, slot_groups
+from fxlora.ops.triton import sgmv
 
 GATES = ("glu", "glu_interleaved_clamped", "act")
 

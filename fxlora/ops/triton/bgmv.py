@@ -3,11 +3,11 @@
 With very few tokens the expand after the base GEMM is bound by the latency of its chain of
 dependent loads, not by bytes. This kernel gives every program one token and lets it read its
 adapter straight from ``token_slot`` (as Punica's BGMV does), where the segmented expand of
-:mod:`fxlora.kernels.sgmv` first walks the segment table:
+:mod:`fxlora.ops.triton.sgmv` first walks the segment table:
 ``y[t, cols] += scaling[s] * B[s, cols] @ v[t]`` in place, ``v`` from the SGMV shrink.
 
 Multi-slice layout (``B`` stacking each slice's output rows, ``scaling`` / ``rank`` one value
-per (slot, slice)) as in :mod:`fxlora.kernels.sgmv`. Tokens without an adapter are not touched.
+per (slot, slice)) as in :mod:`fxlora.ops.triton.sgmv`. Tokens without an adapter are not touched.
 
 On Hopper and later the expand is launched as a programmatic dependent of the kernel before
 it (the base GEMM): it loads its token's slot and ``B`` while that kernel finishes, then waits
@@ -18,14 +18,15 @@ can be captured in a CUDA graph and replayed with other assignments.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from fxlora.kernels.sgmv import (
+from fxlora.ops.triton import launch_table
+from fxlora.ops.triton.launch_table import TokenExpandConfig as ExpandConfig
+from fxlora.ops.triton.sgmv import (
     b_columns,
     column_align,
     output_slices,
@@ -76,29 +77,14 @@ def _expand_kernel(
     tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=n_ok)
 
 
-@dataclass(frozen=True)
-class ExpandConfig:
-    block_n: int
-    num_warps: int
+def serves(tokens: int, max_rank: int, device: torch.device | None = None) -> bool:
+    """Whether ``lora_linear`` expands with this kernel rather than the segmented one: a
+    class of the launch table's ``token_expand_serves``."""
+    return launch_table.token_expand_serves(tokens, max_rank, device)
 
 
-def serves(tokens: int, max_rank: int) -> bool:
-    """Whether ``lora_linear`` expands with this kernel rather than the segmented one. Each
-    token reads its own rows of ``B``, so it wins while tokens × rank is small: up to 64
-    tokens at rank 16, 16 tokens at ranks up to 64 (measured after the base GEMM, weights
-    from HBM, 4 and 16 adapters, plain and fused qkv widths, H100)."""
-    if max_rank <= 16:
-        return tokens <= 64
-    return tokens <= 16 if max_rank <= 64 else tokens * max_rank <= 512
-
-
-# Chosen on an H100 (bf16, N = 4096 and the fused qkv widths, after the base GEMM, weights
-# from HBM; benchmarks/lora_tune.py expand_in_context): past 32 tokens 256-column programs
-# take 1.1-1.6 us off 128-column ones at the qkv widths, up to 0.25 us at N = 4096.
-def expand_config(tokens: int) -> ExpandConfig:
-    if tokens <= 4:
-        return ExpandConfig(64, 4)
-    return ExpandConfig(128, 2) if tokens <= 32 else ExpandConfig(256, 2)
+def expand_config(tokens: int, device: torch.device | None = None) -> ExpandConfig:
+    return launch_table.token_expand_config(tokens, device)
 
 
 def lora_expand(
@@ -118,7 +104,7 @@ def lora_expand(
     y, y_offsets, y_strides, widths = output_slices(y, slice_widths)
     tokens = y.shape[0]
     _, _, max_rank = lora_b.shape
-    cfg = config or expand_config(tokens)
+    cfg = config or expand_config(tokens, y.device)
     lora_b = rows_contiguous(lora_b)
     grid = (tokens, triton.cdiv(max(widths), cfg.block_n), len(widths))
     _expand_kernel[grid](
