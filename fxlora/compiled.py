@@ -181,6 +181,8 @@ def compile(
     captured per ``batch_buckets`` (default: powers of two up to ``max_batch_size``) when
     ``cuda_graphs`` (default: on CUDA).
     """
+    if adapters is not None and not isinstance(adapters, Mapping):
+        raise TypeError(f"adapters must map adapter names to sources, got {type(adapters).__name__}")
     adapters = dict(adapters or {})
     model, from_peft = _unwrap_peft(model)
     for name, source in from_peft.items():
@@ -189,13 +191,6 @@ def compile(
         adapters[name] = source
     if target_modules is None and not adapters:
         target_modules = "all-linear"
-    config = getattr(model, "config", None)
-    if getattr(config, "_experts_implementation", None) in (None, "eager") and any(
-        experts.is_experts(m) for m in model.modules()
-    ):
-        # the eager experts loop reads routing on the host and breaks the graph; this one traces
-        model.set_experts_implementation("grouped_mm")
-        log.info("fxlora: experts switched to the traceable grouped_mm implementation")
     output_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     pool = AdapterPool(
         max_loras,
@@ -206,6 +201,14 @@ def compile(
     for name, source in adapters.items():
         pool.load(experts.resolve(read_adapter(name, source), model))
     pool.register_modules(model_modules(model), complete=True)
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) in (None, "eager") and any(
+        experts.is_experts(m) for m in model.modules()
+    ):
+        # the eager experts loop reads routing on the host and breaks the graph; this one traces.
+        # Switched after every check, so that a compile that fails leaves the model as it was.
+        model.set_experts_implementation("grouped_mm")
+        log.info("fxlora: experts switched to the traceable grouped_mm implementation")
     backend = Backend(pool, modules=ModuleTree(model))
     quantization = getattr(config, "quantization_config", None) or getattr(model, "hf_quantizer", None)
     if quantization is not None:
