@@ -226,7 +226,7 @@ def test_wrong_length_under_torch_compile(model, ids):
 
 def test_unknown_option(model, ids):
     compiled = torch.compile(model, backend="fxlora", options={"adapterz": {}})
-    with pytest.raises(Exception, match="unknown fxlora option"):
+    with pytest.raises(ValueError, match="unknown fxlora option.*adapterz"):
         compiled(**ids)
 
 
@@ -465,3 +465,27 @@ def test_failed_compile_leaves_the_model_as_it_was(bad, fragment):
     with pytest.raises(AdapterError, match=fragment):
         fxlora.compile(moe, adapters={"x": source})
     assert moe.config._experts_implementation == implementation
+
+
+@pytest.mark.parametrize(
+    "adapters, fragment",
+    [
+        ({"x": "in_memory(model, r=0)"}, "adapter 'x' (<memory>): config field r must be a positive int, got 0"),
+        ({None: "in_memory(model)"}, "adapter name None is not a non-empty string"),
+        ({"": "in_memory(model)"}, "adapter name '' is not a non-empty string"),
+    ],
+)
+def test_bad_adapter_in_torch_compile_options(model, ids, adapters, fragment):
+    adapters = {name: eval(source, {"in_memory": in_memory, "model": model}) for name, source in adapters.items()}
+    compiled = torch.compile(model, backend="fxlora", options={"adapters": adapters})  # options reach fxlora later
+    for _ in range(2):  # the first call makes the backend; every call raises the error itself, not wrapped
+        with pytest.raises(AdapterError) as info:
+            compiled(**ids)
+        assert type(info.value) is AdapterError
+        assert fragment in str(info.value)
+
+
+def test_adapters_option_that_is_not_a_mapping(model, ids):
+    compiled = torch.compile(model, backend="fxlora", options={"adapters": [in_memory(model)]})
+    with pytest.raises(TypeError, match="option 'adapters' must map adapter names to sources, got list"):
+        compiled(**ids)
