@@ -58,9 +58,11 @@ class CompiledModel(torch.nn.Module):
         return len(self._backend.routers)
 
     def forward(self, *args: Any, adapter_names: Sequence[str | None] | None = None, **kwargs: Any) -> Any:
+        rows = _batch_rows(args, kwargs)
+        if rows == 0:
+            raise ValueError("the batch has 0 rows: call with at least one")
         if adapter_names is not None:
             adapter_names = list(adapter_names)
-            rows = _batch_rows(args, kwargs)
             if rows is not None and len(adapter_names) != rows:
                 raise AdapterError(f"adapter_names has {len(adapter_names)} entries but the batch has {rows} rows")
             self.pool.slot_ids(adapter_names)  # unknown names fail here, before any work
@@ -102,6 +104,7 @@ class CompiledModel(torch.nn.Module):
         default; ``do_sample`` draws from ``temperature`` / ``top_k`` / ``top_p`` with
         ``generator``. The end and pad tokens default to the model's generation config; an
         empty ``eos_token_id`` means none."""
+        check_prompts(input_ids, max_new_tokens)
         gen_config = getattr(self.model, "generation_config", None)
         if eos_token_id is None and gen_config is not None:
             eos_token_id = gen_config.eos_token_id
@@ -137,6 +140,19 @@ def mark_batch_dims_dynamic(x: Any) -> None:
         for d in range(min(x.dim(), 2)):
             if x.shape[d] > 1:
                 torch._dynamo.maybe_mark_dynamic(x, d)
+
+
+def check_prompts(input_ids: Any, max_new_tokens: Any) -> None:
+    """``generate``'s prompts: a 2-D tensor of at least one row and one token; and at least one new token."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2 or 0 in input_ids.shape:
+        shape = tuple(input_ids.shape)
+        raise ValueError(f"input_ids must be (rows, tokens) with at least one of each, got shape {shape}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__} {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
 def _own(x: Any) -> Any:

@@ -489,3 +489,33 @@ def test_adapters_option_that_is_not_a_mapping(model, ids):
     compiled = torch.compile(model, backend="fxlora", options={"adapters": [in_memory(model)]})
     with pytest.raises(TypeError, match="option 'adapters' must map adapter names to sources, got list"):
         compiled(**ids)
+
+
+def test_batch_of_no_rows(cm, ids):
+    for names in (None, []):
+        with pytest.raises(ValueError, match="the batch has 0 rows"):
+            cm(input_ids=ids["input_ids"][:0], adapter_names=names)
+
+
+@pytest.mark.parametrize(
+    "max_new_tokens, error, fragment",
+    [
+        (-3, ValueError, "max_new_tokens must be >= 1, got -3"),
+        (0, ValueError, "max_new_tokens must be >= 1, got 0"),
+        (2.5, TypeError, "max_new_tokens must be an int, got float 2.5"),
+        (True, TypeError, "max_new_tokens must be an int, got bool True"),
+        ("2", TypeError, "max_new_tokens must be an int, got str '2'"),
+    ],
+)
+def test_generate_bad_max_new_tokens(small_runtime, max_new_tokens, error, fragment):
+    with pytest.raises(error) as info:
+        small_runtime.generate(torch.randint(3, 96, (1, 3)), max_new_tokens=max_new_tokens)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (2, 0), (3,)])
+def test_generate_prompts_without_rows_or_tokens(small_runtime, shape):
+    with pytest.raises(
+        ValueError, match=re.escape(f"input_ids must be (rows, tokens) with at least one of each, got shape {shape}")
+    ):
+        small_runtime.generate(torch.randint(3, 96, shape), max_new_tokens=2)
