@@ -67,12 +67,13 @@ class CompiledModel(torch.nn.Module):
 
     def forward(self, *args: Any, adapter_names: Sequence[str | None] | None = None, **kwargs: Any) -> Any:
         names = check_names(adapter_names)
+        rows = _batch_rows(args, kwargs)
+        if rows == 0:
+            raise ValueError("the batch has 0 rows: call with at least one")
         if names is None:
             warn_unnamed(self.pool)
-        else:
-            rows = _batch_rows(args, kwargs)
-            if rows is not None and len(names) != rows:
-                raise AdapterError(f"adapter_names has {len(names)} entries but the batch has {rows} rows")
+        elif rows is not None and len(names) != rows:
+            raise AdapterError(f"adapter_names has {len(names)} entries but the batch has {rows} rows")
         selection = Selection(names=names)
         selection.slot_ids(self.pool, self._device)  # resolved once, here: unknown names fail before any work
         # Views of a larger tensor would make Dynamo guard on their base and offset and
@@ -115,6 +116,7 @@ class CompiledModel(torch.nn.Module):
         default; ``do_sample`` draws from ``temperature`` / ``top_k`` / ``top_p`` with
         ``generator``. The end and pad tokens default to the model's generation config; an
         empty ``eos_token_id`` means none."""
+        check_prompts(input_ids, max_new_tokens)
         gen_config = getattr(self.model, "generation_config", None)
         if eos_token_id is None and gen_config is not None:
             eos_token_id = gen_config.eos_token_id
@@ -150,6 +152,19 @@ def mark_batch_dims_dynamic(x: Any) -> None:
         for d in range(min(x.dim(), 2)):
             if x.shape[d] > 1:
                 torch._dynamo.maybe_mark_dynamic(x, d)
+
+
+def check_prompts(input_ids: Any, max_new_tokens: Any) -> None:
+    """``generate``'s prompts: a 2-D tensor of at least one row and one token; and at least one new token."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2 or 0 in input_ids.shape:
+        shape = tuple(input_ids.shape)
+        raise ValueError(f"input_ids must be (rows, tokens) with at least one of each, got shape {shape}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__} {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
 def _own(x: Any) -> Any:
@@ -194,6 +209,8 @@ def compile(
     captured per ``batch_buckets`` (default: powers of two up to ``max_batch_size``) when
     ``cuda_graphs`` (default: on CUDA).
     """
+    if adapters is not None and not isinstance(adapters, Mapping):
+        raise TypeError(f"adapters must map adapter names to sources, got {type(adapters).__name__}")
     adapters = dict(adapters or {})
     model, from_peft = _unwrap_peft(model)
     for name, source in from_peft.items():
@@ -202,13 +219,6 @@ def compile(
         adapters[name] = source
     if target_modules is None and not adapters:
         target_modules = "all-linear"
-    config = getattr(model, "config", None)
-    if getattr(config, "_experts_implementation", None) in (None, "eager") and any(
-        experts.is_experts(m) for m in model.modules()
-    ):
-        # the eager experts loop reads routing on the host and breaks the graph; this one traces
-        model.set_experts_implementation("grouped_mm")
-        log.info("fxlora: experts switched to the traceable grouped_mm implementation")
     output_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     pool = AdapterPool(
         max_loras,
@@ -219,6 +229,14 @@ def compile(
     for name, source in adapters.items():
         pool.load(experts.resolve(read_adapter(name, source), model))
     pool.register_modules(model_modules(model), complete=True)
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) in (None, "eager") and any(
+        experts.is_experts(m) for m in model.modules()
+    ):
+        # the eager experts loop reads routing on the host and breaks the graph; this one traces.
+        # Switched after every check, so that a compile that fails leaves the model as it was.
+        model.set_experts_implementation("grouped_mm")
+        log.info("fxlora: experts switched to the traceable grouped_mm implementation")
     backend = Backend(pool, modules=ModuleTree(model))
     quantization = getattr(config, "quantization_config", None) or getattr(model, "hf_quantizer", None)
     if quantization is not None:

@@ -1,8 +1,10 @@
-"""Every kind of bad input raises AdapterError naming the culprit, and a failed load
-leaves the compiled model exactly as it was."""
+"""Every kind of bad input raises AdapterError (adapters) or ValueError / TypeError (call
+arguments) naming the culprit, and a failed load leaves the compiled model exactly as it was."""
 
 import json
+import math
 import pickle
+import re
 
 import pytest
 import torch
@@ -21,7 +23,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def cm(model, tmp_path_factory):
-    good = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), 1, str(tmp_path_factory.mktemp("good")))
+    good = make_adapter(
+        model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), 1, str(tmp_path_factory.mktemp("good"))
+    )
     targets = [t for t in lora_module_names(model) if t != "embed_tokens"]
     return fxlora.compile(model, adapters={"good": good}, target_modules=targets, max_loras=2, max_rank=8)
 
@@ -43,7 +47,7 @@ def assert_load_fails(cm, ids, source, *fragments, name="bad"):
     with pytest.raises(AdapterError) as info:
         cm.load_adapter(name, source)
     message = str(info.value)
-    assert f"'{name}'" in message
+    assert repr(name) in message
     for fragment in fragments:
         assert fragment in message, message
     # nothing half-registered, and the model keeps working as before
@@ -222,7 +226,7 @@ def test_wrong_length_under_torch_compile(model, ids):
 
 def test_unknown_option(model, ids):
     compiled = torch.compile(model, backend="fxlora", options={"adapterz": {}})
-    with pytest.raises(Exception, match="unknown fxlora option"):
+    with pytest.raises(ValueError, match="unknown fxlora option.*adapterz"):
         compiled(**ids)
 
 
@@ -271,3 +275,247 @@ def test_generate_beyond_the_largest_bucket_names_the_compile_argument(small_run
     ids = torch.randint(3, 96, (3, 3))
     with pytest.raises(ValueError, match=r"largest batch bucket, 2: compile with batch_buckets= that include 3"):
         small_runtime.generate(ids, adapter_names=["a", None, "a"], max_new_tokens=2)
+
+
+def in_memory(model, **changes):
+    """A valid in-memory adapter for q_proj with ``changes`` made to its config dict (a value of
+    ``...`` removes the field)."""
+    config, state = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj"]), 0, "")
+    config = config.to_dict()
+    for field, value in changes.items():
+        if value is ...:
+            del config[field]
+        else:
+            config[field] = value
+    return config, state
+
+
+@pytest.mark.parametrize(
+    "changes, fragment",
+    [
+        (dict(r=0), "config field r must be a positive int, got 0"),
+        (dict(r=-2), "config field r must be a positive int, got -2"),
+        (dict(r="2"), "config field r must be a positive int, got '2'"),
+        (dict(r=True), "config field r must be a positive int, got True"),
+        (dict(r=2.0), "config field r must be a positive int, got 2.0"),
+        (dict(lora_alpha=math.nan), "config field lora_alpha must be a finite number, got nan"),
+        (dict(lora_alpha=-math.inf), "config field lora_alpha must be a finite number, got -inf"),
+        (dict(lora_alpha="16"), "config field lora_alpha must be a finite number, got '16'"),
+        (dict(lora_alpha=False), "config field lora_alpha must be a finite number, got False"),
+        (dict(rank_pattern={"q_proj": 0}), "config field rank_pattern['q_proj'] must be a positive int"),
+        (dict(rank_pattern={"q_proj": "2"}), "config field rank_pattern['q_proj'] must be a positive int"),
+        (dict(rank_pattern=["q_proj"]), "config field rank_pattern must be a dict"),
+        (dict(rank_pattern={"q_(proj": 2}), "config field rank_pattern key must be a valid regular expression"),
+        (dict(rank_pattern={"": 2}), "config field rank_pattern key must be a non-empty string"),
+        (dict(alpha_pattern={"q_proj": math.nan}), "config field alpha_pattern['q_proj'] must be a finite number"),
+        (dict(alpha_pattern={"[q": 4}), "config field alpha_pattern key must be a valid regular expression"),
+        (dict(target_modules=...), "config has no target_modules (nor target_parameters)"),
+        (dict(target_modules=None), "config has no target_modules (nor target_parameters)"),
+        (dict(target_modules=7), "config field target_modules must be a list of module names or a regular"),
+        (dict(target_modules=["q_proj", 7]), "config field target_modules must be a list of module names"),
+        (dict(target_modules="q_proj("), "config field target_modules must be a valid regular expression"),
+        (dict(exclude_modules="(k"), "config field exclude_modules must be a valid regular expression"),
+        (dict(target_parameters="mlp.experts.gate_up_proj"), "config field target_parameters must be a list"),
+        (dict(layers_to_transform="0"), "config field layers_to_transform must be a layer index"),
+    ],
+)
+def test_config_fields_in_memory(cm, ids, model, changes, fragment):
+    assert_load_fails(cm, ids, in_memory(model, **changes), "(<memory>)", fragment)
+
+
+def test_config_fields_in_a_file_name_the_file(cm, ids, model, tmp_path):
+    path = adapter_dir(model, tmp_path)
+    config_file = tmp_path / "adapter" / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "lora_alpha": "NaN"}))
+    weights = str(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert_load_fails(cm, ids, path, weights, "config field lora_alpha must be a finite number, got 'NaN'")
+    config_file.write_text(config_file.read_text().replace('"NaN"', "NaN"))  # JSON as Python writes it
+    assert_load_fails(cm, ids, path, weights, "config field lora_alpha must be a finite number, got nan")
+
+
+def test_config_fields_of_a_lora_config_object(cm, ids, model):
+    config, state = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj"]), 0, "")
+    config.lora_alpha = math.inf
+    assert_load_fails(cm, ids, (config, state), "(<memory>)", "config field lora_alpha must be a finite number")
+
+
+def test_target_parameters_alone_need_no_target_modules():
+    from fxlora.adapters import read_adapter
+
+    moe = tiny_model("qwen3_moe")
+    config = LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+    config, state = make_adapter(moe, config, 0, "")
+    adapter = read_adapter("experts", ({**config.to_dict(), "target_modules": None}, state))
+    assert adapter.modules
+
+
+def tensor_of(kind, like):
+    if kind == "meta":
+        return like.to("meta")
+    if kind == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            return torch.zeros(like.shape)
+    if kind == "int":
+        return like.to(torch.int64)
+    if kind == "complex":
+        return like.to(torch.complex64)
+    return like.to_sparse()
+
+
+@pytest.mark.parametrize(
+    "kind, fragment",
+    [
+        ("meta", "has no values (on the meta device, or fake)"),
+        ("fake", "has no values (on the meta device, or fake)"),
+        ("int", "has dtype torch.int64, not a floating-point dtype"),
+        ("complex", "has dtype torch.complex64, not a floating-point dtype"),
+        ("sparse", "is torch.sparse_coo, not a dense tensor"),
+    ],
+)
+def test_tensors_without_usable_values(cm, ids, model, kind, fragment):
+    config, state = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj"]), 0, "")
+    key = next(k for k in state if "lora_A" in k)
+    state[key] = tensor_of(kind, state[key])
+    assert_load_fails(cm, ids, (config, state), key.removeprefix("base_model.model."), fragment)
+
+
+def test_state_dict_that_is_not_a_mapping(cm, ids, model):
+    config, state = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj"]), 0, "")
+    assert_load_fails(cm, ids, (config, list(state.values())), "state_dict must map names to tensors, got list")
+
+
+def test_state_dict_key_that_is_not_a_string(cm, ids, model):
+    config, state = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj"]), 0, "")
+    assert_load_fails(cm, ids, (config, {**state, 7: torch.ones(2)}), "state dict key 7 is not a string")
+
+
+def nested(depth):
+    value = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("depth", [20, 100_000])
+def test_deeply_nested_config_in_memory(cm, ids, model, depth):
+    source = in_memory(model, layer_replication=nested(depth))
+    assert_load_fails(cm, ids, source, "(<memory>)", "config nests more than 16 levels deep")
+
+
+def test_cyclic_config_in_memory(cm, ids, model):
+    config, state = in_memory(model)
+    config["eva_config"] = cycle = {}
+    cycle["next"] = cycle
+    assert_load_fails(cm, ids, (config, state), "config nests more than 16 levels deep")
+
+
+@pytest.mark.parametrize("depth, fragment", [(20, "nests more than 16 levels deep"), (100_000, "nests too deeply")])
+def test_deeply_nested_config_file(cm, ids, model, tmp_path, depth, fragment):
+    path = adapter_dir(model, tmp_path)
+    config_file = tmp_path / "adapter" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(config)[:-1] + ', "layer_replication": ' + "[" * depth + "]" * depth + "}")
+    assert_load_fails(cm, ids, path, str(tmp_path / "adapter"), fragment)
+
+
+def test_huge_config_file(cm, ids, model, tmp_path):
+    from fxlora.adapters.peft_format import MAX_CONFIG_BYTES
+
+    path = adapter_dir(model, tmp_path)
+    with open(tmp_path / "adapter" / "adapter_config.json", "r+b") as f:
+        f.truncate(MAX_CONFIG_BYTES + 1)  # sparse: nothing is written, and nothing should be read
+    assert_load_fails(cm, ids, path, "adapter_config.json", f"{MAX_CONFIG_BYTES + 1} bytes, more than")
+
+
+@pytest.mark.parametrize("name", [None, "", 123])
+def test_bad_adapter_name_on_load(cm, ids, model, name):
+    message = assert_load_fails(cm, ids, in_memory(model), "is not a non-empty string", name=name)
+    assert ("None stands for the base model" in message) == (name is None)
+
+
+@pytest.mark.parametrize("name", [None, "", 123])
+def test_bad_adapter_name_on_compile(model, name):
+    with pytest.raises(AdapterError, match=f"adapter name {name!r} is not a non-empty string"):
+        fxlora.compile(model, adapters={name: in_memory(model)})
+
+
+def test_adapters_that_are_not_a_mapping_on_compile(model):
+    with pytest.raises(TypeError, match="adapters must map adapter names to sources, got list"):
+        fxlora.compile(model, adapters=[in_memory(model)])
+
+
+@pytest.mark.parametrize("max_loras, error", [("8", TypeError), (True, TypeError), (0, ValueError)])
+def test_bad_max_loras_on_compile(model, max_loras, error):
+    with pytest.raises(error, match=f"max_loras must be .*got .*{max_loras!r}"):
+        fxlora.compile(model, adapters={"a": in_memory(model)}, max_loras=max_loras)
+
+
+def narrowed(config, state):
+    """The adapter with lora_A's of a width no module has: it reads, but does not fit the model."""
+    return config, {k: v[:, :7] if "lora_A" in k else v for k, v in state.items()}
+
+
+@pytest.mark.parametrize("bad, fragment", [(dict(r=0), "config field r"), (dict(), "shape mismatch")])
+def test_failed_compile_leaves_the_model_as_it_was(bad, fragment):
+    moe = tiny_model("qwen3_moe")
+    implementation = moe.config._experts_implementation
+    source = in_memory(moe, **bad) if bad else narrowed(*in_memory(moe))
+    with pytest.raises(AdapterError, match=fragment):
+        fxlora.compile(moe, adapters={"x": source})
+    assert moe.config._experts_implementation == implementation
+
+
+@pytest.mark.parametrize(
+    "adapters, fragment",
+    [
+        ({"x": "in_memory(model, r=0)"}, "adapter 'x' (<memory>): config field r must be a positive int, got 0"),
+        ({None: "in_memory(model)"}, "adapter name None is not a non-empty string"),
+        ({"": "in_memory(model)"}, "adapter name '' is not a non-empty string"),
+    ],
+)
+def test_bad_adapter_in_torch_compile_options(model, ids, adapters, fragment):
+    adapters = {name: eval(source, {"in_memory": in_memory, "model": model}) for name, source in adapters.items()}
+    compiled = torch.compile(model, backend="fxlora", options={"adapters": adapters})  # options reach fxlora later
+    for _ in range(2):  # the first call makes the backend; every call raises the error itself, not wrapped
+        with pytest.raises(AdapterError) as info:
+            compiled(**ids)
+        assert type(info.value) is AdapterError
+        assert fragment in str(info.value)
+
+
+def test_adapters_option_that_is_not_a_mapping(model, ids):
+    compiled = torch.compile(model, backend="fxlora", options={"adapters": [in_memory(model)]})
+    with pytest.raises(TypeError, match="option 'adapters' must map adapter names to sources, got list"):
+        compiled(**ids)
+
+
+def test_batch_of_no_rows(cm, ids):
+    for names in (None, []):
+        with pytest.raises(ValueError, match="the batch has 0 rows"):
+            cm(input_ids=ids["input_ids"][:0], adapter_names=names)
+
+
+@pytest.mark.parametrize(
+    "max_new_tokens, error, fragment",
+    [
+        (-3, ValueError, "max_new_tokens must be >= 1, got -3"),
+        (0, ValueError, "max_new_tokens must be >= 1, got 0"),
+        (2.5, TypeError, "max_new_tokens must be an int, got float 2.5"),
+        (True, TypeError, "max_new_tokens must be an int, got bool True"),
+        ("2", TypeError, "max_new_tokens must be an int, got str '2'"),
+    ],
+)
+def test_generate_bad_max_new_tokens(small_runtime, max_new_tokens, error, fragment):
+    with pytest.raises(error) as info:
+        small_runtime.generate(torch.randint(3, 96, (1, 3)), max_new_tokens=max_new_tokens)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (2, 0), (3,)])
+def test_generate_prompts_without_rows_or_tokens(small_runtime, shape):
+    with pytest.raises(
+        ValueError, match=re.escape(f"input_ids must be (rows, tokens) with at least one of each, got shape {shape}")
+    ):
+        small_runtime.generate(torch.randint(3, 96, shape), max_new_tokens=2)

@@ -2,9 +2,10 @@
 
 An adapter comes from a saved PEFT directory (``adapter_config.json`` plus
 ``adapter_model.safetensors`` or ``adapter_model.bin``) or from memory as a config and a
-state dict. Everything that can be checked without the model is checked here: the files,
-the PEFT type, unsupported features, tensor names, ranks and finite values. Fitting the
-factors to the model's modules is the pool's job.
+state dict. Everything that can be checked without the model is checked here: the name,
+the files, the PEFT type, unsupported features, the config's fields (ranks, alphas, patterns,
+target modules), tensor names, dtypes, devices, ranks and finite values. Fitting the factors
+to the model's modules is the pool's job.
 """
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, NoReturn, Union
 
 import torch
 from peft import LoraConfig, PeftConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils.other import get_pattern_key
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fxlora.errors import AdapterError
 
@@ -56,6 +59,12 @@ _FEATURE_KEYS = {
     "modules_to_save": "modules_to_save",
     "trainable_tokens": "trainable tokens",
 }
+
+# A PEFT config is a flat JSON object of a few kB whose deepest field (layer_replication)
+# nests three levels; these bounds leave ample room and refuse hostile files before they
+# exhaust memory or the interpreter's recursion limit.
+MAX_CONFIG_BYTES = 16 * 2**20
+MAX_CONFIG_DEPTH = 16
 
 AdapterSource = Union[str, os.PathLike, tuple, Mapping, "LoraAdapter"]
 
@@ -102,14 +111,16 @@ class LoraAdapter:
 def read_adapter(name: str, source: AdapterSource) -> LoraAdapter:
     """Read a PEFT LoRA adapter from a directory, a ``(config, state_dict)`` pair, a mapping
     with ``config`` and ``state_dict`` keys, or an existing :class:`LoraAdapter`."""
+    check_name(name)
     if isinstance(source, LoraAdapter):
         return dataclasses.replace(source, name=name)
     if isinstance(source, (str, os.PathLike)):
         config_dict, state, where = _read_directory(name, Path(source))
     elif isinstance(source, tuple) and len(source) == 2:
-        config_dict, state, where = _config_dict(name, source[0]), dict(source[1]), "<memory>"
+        config_dict, state, where = _config_dict(name, source[0]), _state_dict(name, source[1]), "<memory>"
     elif isinstance(source, Mapping) and {"config", "state_dict"} <= set(source):
-        config_dict, state, where = _config_dict(name, source["config"]), dict(source["state_dict"]), "<memory>"
+        config_dict, state = _config_dict(name, source["config"]), _state_dict(name, source["state_dict"])
+        where = "<memory>"
     else:
         raise AdapterError(
             f"adapter {name!r}: expected a PEFT adapter directory, a (config, state_dict) pair or "
@@ -122,15 +133,26 @@ def read_adapter(name: str, source: AdapterSource) -> LoraAdapter:
     return LoraAdapter(name, where, config, modules, base_weights)
 
 
+def check_name(name: object) -> None:
+    """Adapter names are non-empty strings: ``None`` in ``adapter_names`` means the base model."""
+    if not isinstance(name, str) or not name:
+        hint = ": None stands for the base model in adapter_names" if name is None else ""
+        raise AdapterError(f"adapter name {name!r} is not a non-empty string{hint}")
+
+
 def _read_directory(name: str, path: Path) -> tuple[dict, dict[str, torch.Tensor], str]:
     if not path.is_dir():
         raise AdapterError(f"adapter {name!r}: {path} is not a directory")
     config_file = path / "adapter_config.json"
     try:
+        if (size := config_file.stat().st_size) > MAX_CONFIG_BYTES:
+            raise AdapterError(f"adapter {name!r}: {config_file} is {size} bytes, more than {MAX_CONFIG_BYTES} allowed")
         config_dict = json.loads(config_file.read_text())
     except FileNotFoundError:
         raise AdapterError(f"adapter {name!r}: missing {config_file}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise AdapterError(f"adapter {name!r}: cannot read {config_file}: it nests too deeply") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         raise AdapterError(f"adapter {name!r}: cannot read {config_file}: {e}") from None
     if not isinstance(config_dict, dict):
         raise AdapterError(f"adapter {name!r}: {config_file} does not hold a JSON object")
@@ -156,14 +178,100 @@ def _read_directory(name: str, path: Path) -> tuple[dict, dict[str, torch.Tensor
 
 
 def _config_dict(name: str, config: Any) -> dict:
-    if isinstance(config, PeftConfig):
-        return config.to_dict()
+    try:
+        if isinstance(config, PeftConfig):
+            return config.to_dict()
+    except RecursionError:
+        raise AdapterError(f"adapter {name!r} (<memory>): its config nests too deeply") from None
     if isinstance(config, Mapping):
         return dict(config)
     raise AdapterError(f"adapter {name!r}: config must be a peft.LoraConfig or a dict, got {type(config).__name__}")
 
 
+def _state_dict(name: str, state: Any) -> dict:
+    if not isinstance(state, Mapping):
+        kind = type(state).__name__
+        raise AdapterError(f"adapter {name!r} (<memory>): state_dict must map names to tensors, got {kind}")
+    return dict(state)
+
+
+def _check_depth(name: str, where: str, config_dict: dict) -> None:
+    """Refuse a config nested deeper than :data:`MAX_CONFIG_DEPTH` (a cycle included), without recursing."""
+    stack: list[tuple[Any, int]] = [(config_dict, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_CONFIG_DEPTH:
+            raise AdapterError(f"adapter {name!r} ({where}): its config nests more than {MAX_CONFIG_DEPTH} levels deep")
+        if isinstance(value, Mapping):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend((v, depth + 1) for v in value)
+
+
+_LISTS = (list, tuple, set, frozenset)
+
+
+def _is_rank(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+
+
+def _is_alpha(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def _is_names(value: Any) -> bool:
+    return isinstance(value, _LISTS) and all(isinstance(v, str) for v in value)
+
+
+def _check_fields(name: str, where: str, config: dict) -> None:
+    """The fields PEFT computes with or matches by: numbers of the right kind, patterns that compile."""
+
+    def fail(field: str, value: Any, want: str) -> NoReturn:
+        raise AdapterError(f"adapter {name!r} ({where}): config field {field} must be {want}, got {value!r}")
+
+    def check_regex(field: str, value: str, pattern: str) -> None:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            fail(field, value, f"a valid regular expression ({e})")
+
+    if "r" in config and not _is_rank(config["r"]):
+        fail("r", config["r"], "a positive int")
+    if "lora_alpha" in config and not _is_alpha(config["lora_alpha"]):
+        fail("lora_alpha", config["lora_alpha"], "a finite number")
+    patterns = (("rank_pattern", _is_rank, "a positive int"), ("alpha_pattern", _is_alpha, "a finite number"))
+    for field, valid, want in patterns:
+        pattern = config.get(field)
+        if pattern is not None and not isinstance(pattern, Mapping):
+            fail(field, pattern, "a dict of module patterns to values")
+        for key, value in (pattern or {}).items():
+            if not isinstance(key, str) or not key:
+                fail(f"{field} key", key, "a non-empty string")
+            check_regex(f"{field} key", key, rf"(.*\.)?({key})$")  # how PEFT matches a key to a module path
+            if not valid(value):
+                fail(f"{field}[{key!r}]", value, want)
+    targets, parameters = config.get("target_modules"), config.get("target_parameters")
+    if parameters is not None and not _is_names(parameters):
+        fail("target_parameters", parameters, "a list of parameter names")
+    if targets is None and not parameters:
+        raise AdapterError(f"adapter {name!r} ({where}): config has no target_modules (nor target_parameters)")
+    for field in ("target_modules", "exclude_modules"):
+        value = config.get(field)
+        if isinstance(value, str):
+            check_regex(field, value, value)
+        elif value is not None and not _is_names(value):
+            fail(field, value, "a list of module names or a regular expression string")
+    layers = config.get("layers_to_transform")
+    if layers is not None and not (_is_index(layers) or isinstance(layers, _LISTS) and all(map(_is_index, layers))):
+        fail("layers_to_transform", layers, "a layer index or a list of them")
+
+
 def _lora_config(name: str, where: str, config_dict: dict) -> LoraConfig:
+    _check_depth(name, where, config_dict)
     peft_type = str(config_dict.get("peft_type", "LORA")).upper().removeprefix("PEFTTYPE.")
     if peft_type != "LORA":
         raise AdapterError(f"adapter {name!r} ({where}): unsupported PEFT type {peft_type}: only LORA is supported")
@@ -172,8 +280,11 @@ def _lora_config(name: str, where: str, config_dict: dict) -> LoraConfig:
             raise AdapterError(f"adapter {name!r} ({where}): unsupported PEFT feature: {feature}")
     if config_dict.get("bias", "none") != "none":
         raise AdapterError(f"adapter {name!r} ({where}): unsupported PEFT feature: trained biases (bias={config_dict['bias']!r})")
+    _check_fields(name, where, config_dict)
     known = {f.name for f in dataclasses.fields(LoraConfig)}
-    kwargs = {k: v for k, v in config_dict.items() if k in known and k not in ("peft_type", "runtime_config")}
+    dropped = {"peft_type", "runtime_config"}
+    dropped |= {k for k in ("rank_pattern", "alpha_pattern") if config_dict.get(k) is None}  # null: none, PEFT's {}
+    kwargs = {k: v for k, v in config_dict.items() if k in known and k not in dropped}
     try:
         return LoraConfig(**kwargs)
     except (TypeError, ValueError) as e:
@@ -187,12 +298,13 @@ def _factors(
     kinds: dict[str, str] = {}
     base_weights: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
+        if not isinstance(key, str):
+            raise AdapterError(f"adapter {name!r} ({where}): state dict key {key!r} is not a string")
         key = key.removeprefix(_PREFIX)
         for marker, feature in _FEATURE_KEYS.items():
             if marker in key:
                 raise AdapterError(f"adapter {name!r} ({where}): unsupported PEFT feature: {feature} in tensor {key!r}")
-        if not isinstance(tensor, torch.Tensor):
-            raise AdapterError(f"adapter {name!r} ({where}): entry {key!r} is not a tensor")
+        _check_tensor(name, where, key, tensor)
         if (m := _BASE_KEY.match(key)) is not None:
             base_weights[m["module"]] = tensor
             continue
@@ -202,8 +314,6 @@ def _factors(
         module, ab = m["module"], m["ab"] or m["eab"]
         kinds[module] = "linear" if m["ab"] else "embedding"
         halves.setdefault(module, {})[ab] = tensor
-        if not torch.isfinite(tensor).all():
-            raise AdapterError(f"adapter {name!r} ({where}): tensor {key!r} holds NaN or Inf values")
 
     all_linear = isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"
     modules: dict[str, LoraFactors] = {}
@@ -234,6 +344,21 @@ def _factors(
             )
         modules[module] = LoraFactors(kinds[module], a, b, scaling)
     return modules, base_weights
+
+
+def _check_tensor(name: str, where: str, key: str, tensor: Any) -> None:
+    """A dense floating-point tensor with values: not meta or fake, not NaN or Inf."""
+    culprit = f"adapter {name!r} ({where}): tensor {key!r}"
+    if not isinstance(tensor, torch.Tensor):
+        raise AdapterError(f"adapter {name!r} ({where}): entry {key!r} is not a tensor")
+    if tensor.is_meta or isinstance(tensor, FakeTensor):
+        raise AdapterError(f"{culprit} has no values (on the meta device, or fake): load the weights themselves")
+    if tensor.layout != torch.strided:
+        raise AdapterError(f"{culprit} is {tensor.layout}, not a dense tensor")
+    if not tensor.is_floating_point():
+        raise AdapterError(f"{culprit} has dtype {tensor.dtype}, not a floating-point dtype")
+    if not torch.isfinite(tensor).all():
+        raise AdapterError(f"{culprit} holds NaN or Inf values")
 
 
 def unwrapped(path: str) -> str:

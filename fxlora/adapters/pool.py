@@ -155,8 +155,11 @@ class AdapterPool:
         target_modules: str | list[str] | None = None,
         output_embedding: str | None = "lm_head",
     ):
-        if max_loras < 1 or max_rank < 1:
-            raise ValueError(f"max_loras and max_rank must be positive, got {max_loras} and {max_rank}")
+        for arg, value in (("max_loras", max_loras), ("max_rank", max_rank)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
+            if value < 1:
+                raise ValueError(f"{arg} must be positive, got {value}")
         self.max_loras, self.max_rank = max_loras, max_rank
         self._patterns = LoraConfig(target_modules=target_modules) if target_modules else None
         self._all_linear = isinstance(target_modules, str) and target_modules.lower() == "all-linear"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from fxlora.adapters import AdapterPool, read_adapter
 from fxlora.compiler import LORA_OPS, PassContext, run_pipeline
 from fxlora.compiler.annotate import ModuleTree
 from fxlora.compiler.arena import Arena
+from fxlora.errors import AdapterError
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.routing import Router
 
@@ -53,6 +54,9 @@ class Backend:
         if unknown:
             raise ValueError(f"unknown fxlora option(s) {sorted(unknown)}; known: {list(OPTIONS)}")
         adapters = options.get("adapters") or {}
+        if not isinstance(adapters, Mapping):
+            kind = type(adapters).__name__
+            raise TypeError(f"fxlora option 'adapters' must map adapter names to sources, got {kind}")
         pool = AdapterPool(
             max_loras=options.get("max_loras", 8),
             max_rank=options.get("max_rank", 64),
@@ -118,10 +122,34 @@ def raise_recompile_limit() -> None:
         torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
 
 
-def fxlora_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None) -> Router:
-    """Entry point for ``torch.compile(model, backend="fxlora", options={...})``."""
+def fxlora_backend(
+    gm: fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None
+) -> Callable[..., Any]:
+    """Entry point for ``torch.compile(model, backend="fxlora", options={...})``.
+
+    PyTorch hands ``options`` to a backend only with a graph, on the compiled model's first
+    call, so the backend is made, and its adapters read and checked, then. Dynamo wraps
+    whatever a backend raises in its own ``BackendCompilerFailed``; a bad option or adapter
+    therefore comes back as a graph that raises the error itself, as it is, from every call.
+    """
     options = options if options is not None else {}
     if id(options) not in _BACKENDS:  # the dict is kept alive beside its backend, so ids stay unique
-        _BACKENDS[id(options)] = (options, Backend.from_options(options))
+        try:
+            backend = Backend.from_options(options)
+        except (ValueError, TypeError) as e:  # AdapterError is a ValueError
+            return _raising(e)
+        _BACKENDS[id(options)] = (options, backend)
         raise_recompile_limit()
-    return _BACKENDS[id(options)][1](gm, example_inputs)
+    try:
+        return _BACKENDS[id(options)][1](gm, example_inputs)
+    except AdapterError as e:  # an adapter that does not fit a module this graph brought in
+        return _raising(e)
+
+
+def _raising(error: Exception) -> Callable[..., Any]:
+    traceback = error.__traceback__
+
+    def refuse(*args: Any) -> Any:
+        raise error.with_traceback(traceback)
+
+    return refuse
