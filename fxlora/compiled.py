@@ -74,24 +74,25 @@ class CompiledModel(torch.nn.Module):
             warn_unnamed(self.pool)
         elif rows is not None and len(names) != rows:
             raise AdapterError(f"adapter_names has {len(names)} entries but the batch has {rows} rows")
-        selection = Selection(names=names)
-        selection.slot_ids(self.pool, self._device)  # resolved once, here: unknown names fail before any work
         # Views of a larger tensor would make Dynamo guard on their base and offset and
         # retrace for each new slicing; a private copy of such small inputs avoids that.
         args = tuple(_own(a) for a in args)
         kwargs = {k: _own(v) for k, v in kwargs.items()}
         for t in (*args, *kwargs.values()):
             mark_batch_dims_dynamic(t)
-        with selecting(selection):
-            out = self._compiled(*args, **kwargs)
-        selection.require_adapters()
+        with selecting(Selection(names=names)) as selection:
+            selection.slot_ids(self.pool, self._device)  # resolved once, here: unknown names fail before any work
+            with self._backend.lock:
+                out = self._compiled(*args, **kwargs)
+            selection.require_adapters()
         return out
 
     def prepare(self) -> DecodeRuntime:
         """Build the generation runtime now rather than on the first ``generate``: the KV
         cache and static buffers, and on CUDA the decode graphs of every batch bucket."""
-        if self._runtime is None:
-            self._runtime = DecodeRuntime(self.model, self._compiled, self._backend, **self._runtime_options)
+        with self._backend.lock:
+            if self._runtime is None:
+                self._runtime = DecodeRuntime(self.model, self._compiled, self._backend, **self._runtime_options)
         return self._runtime
 
     @torch.no_grad()
@@ -124,7 +125,13 @@ class CompiledModel(torch.nn.Module):
             pad_token_id = gen_config.pad_token_id
         sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
         return self.prepare().generate(
-            input_ids, attention_mask, check_names(adapter_names), max_new_tokens, eos_token_id, pad_token_id, sampling
+            input_ids,
+            attention_mask,
+            adapter_names=check_names(adapter_names),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            sampling=sampling,
         )
 
     def load_adapter(self, name: str, source: AdapterSource) -> None:

@@ -2,6 +2,7 @@
 arguments) naming the culprit, and a failed load leaves the compiled model exactly as it was."""
 
 import json
+import logging
 import math
 import pickle
 import re
@@ -519,3 +520,24 @@ def test_generate_prompts_without_rows_or_tokens(small_runtime, shape):
         ValueError, match=re.escape(f"input_ids must be (rows, tokens) with at least one of each, got shape {shape}")
     ):
         small_runtime.generate(torch.randint(3, 96, shape), max_new_tokens=2)
+
+
+def test_adapter_names_spelling(cm, ids):
+    rows = ids["input_ids"].shape[0]
+    with pytest.raises(AdapterError, match="got the string 'good'.*\\['good'\\]"):
+        cm(**ids, adapter_names="good")
+    with pytest.raises(AdapterError, match="got the string 'good'"), fxlora.use_adapters("good"):
+        pass
+    base = cm(**ids, adapter_names=[None] * rows).logits
+    assert torch.equal(cm(**ids, adapter_names=["__base__"] * rows).logits, base)  # PEFT's spelling of None
+    with pytest.raises(AdapterError, match="'__base__' is reserved"):
+        cm.load_adapter("__base__", cm.pool.adapters["good"])
+
+
+def test_a_call_naming_no_adapter_warns_once(cm, model, ids, caplog):
+    fresh = fxlora.compile(model, adapters={"good": cm.pool.adapters["good"]}, max_loras=2, max_rank=8)
+    with caplog.at_level(logging.WARNING, logger="fxlora"):
+        fresh(**ids)
+        fresh(**ids)
+        fresh(**ids, adapter_names=[None] * ids["input_ids"].shape[0])
+    assert sum("names no adapters while ['good'] are loaded" in r.getMessage() for r in caplog.records) == 1

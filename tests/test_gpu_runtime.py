@@ -209,3 +209,49 @@ def test_torch_compile_cuda_graphs_under_transformers_generate_with_a_static_cac
             assert backend.graphs.enabled, backend.graphs.fallback_reason
             assert backend.graphs._calls and not backend.graphs._refused
     assert torch.equal(outs[0], outs[1])
+
+
+def test_concurrent_forward_calls_on_cuda_do_not_share_scratch():
+    """Threads calling one compiled model on CUDA: the LoRA ops' workspaces (the shrink
+    results) live in one arena, so calls must not overlap; each gets its own rows."""
+    import threading
+
+    _, model, _, cm = _served(torch.float32)
+    ids = torch.randint(3, 200, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    cases = [("a", None, "b", "c"), ("c", "c", None, "a"), ("b", "a", "a", None)]
+    want = {names: cm(input_ids=ids, adapter_names=list(names)).logits for names in cases}
+    errors = []
+
+    def loop(names):
+        try:
+            for _ in range(50):
+                out = cm(input_ids=ids, adapter_names=list(names)).logits
+                torch.testing.assert_close(out, want[names], rtol=1e-5, atol=1e-5)
+        except Exception as e:  # the test fails on any
+            errors.append(e)
+
+    threads = [threading.Thread(target=loop, args=(names,)) for names in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_ten_thousand_replays_with_hot_swaps():
+    """Decode replays with adapters swapped between generate calls: outputs stay those of
+    the first call, with no recapture, no retrace and a graph pool of constant size."""
+    _, _, adapters, cm = _served(torch.bfloat16, buckets=(1, 2, 4))
+    rt = cm.prepare()
+    ids = torch.randint(3, 200, (4, 4), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    names = ["a", "b", None, "c"]
+    first = cm.generate(ids, adapter_names=names, max_new_tokens=40, eos_token_id=())
+    graphs, pool_bytes, compiles = dict(rt.graphs.graphs), rt.graphs.pool_bytes, cm.compile_count
+    replays = 0
+    while replays < 10_000:
+        cm.unload_adapter("b")
+        cm.load_adapter("b", adapters["b"])
+        out = cm.generate(ids, adapter_names=names, max_new_tokens=40, eos_token_id=())
+        replays += 39
+        assert torch.equal(out, first)
+    assert rt.graphs.graphs == graphs and rt.graphs.pool_bytes == pool_bytes and cm.compile_count == compiles

@@ -133,11 +133,17 @@ def read_adapter(name: str, source: AdapterSource) -> LoraAdapter:
     return LoraAdapter(name, where, config, modules, base_weights)
 
 
+BASE_NAME = "__base__"  # PEFT's name for a base-model row; in adapter_names it means None
+
+
 def check_name(name: object) -> None:
-    """Adapter names are non-empty strings: ``None`` in ``adapter_names`` means the base model."""
+    """Adapter names are non-empty strings other than ``"__base__"``: ``None`` (or PEFT's
+    ``"__base__"``) in ``adapter_names`` means the base model."""
     if not isinstance(name, str) or not name:
         hint = ": None stands for the base model in adapter_names" if name is None else ""
         raise AdapterError(f"adapter name {name!r} is not a non-empty string{hint}")
+    if name == BASE_NAME:
+        raise AdapterError(f"adapter name {name!r} is reserved: in adapter_names it means the base model, as in PEFT")
 
 
 def _read_directory(name: str, path: Path) -> tuple[dict, dict[str, torch.Tensor], str]:

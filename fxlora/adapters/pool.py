@@ -11,6 +11,7 @@ directly and never need a retrace or recapture.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -170,12 +171,21 @@ class AdapterPool:
         self.complete = False
         self.adapters: dict[str, LoraAdapter] = {}
         self.slot_of: dict[str, int] = {}
+        # Calls in flight pin the slots they read: an adapter unloaded under one keeps its
+        # slot's contents until the last such call ends, and no load takes that slot before.
+        self._lock = threading.RLock()
+        self._pins = [0] * max_loras
+        self._draining: set[int] = set()
 
     # -- modules -------------------------------------------------------------------------
     def register_modules(self, modules: dict[str, ModuleInfo], complete: bool = False) -> None:
         """Add modules to the table and allot pool space to those that are wanted.
 
         Checks every loaded adapter against the new modules before changing anything."""
+        with self._lock:
+            self._register_modules(modules, complete)
+
+    def _register_modules(self, modules: dict[str, ModuleInfo], complete: bool) -> None:
         new = {fqn: info for fqn, info in modules.items() if fqn not in self.modules}
         for adapter in self.adapters.values():
             for fqn in adapter.modules.keys() & new.keys():
@@ -253,6 +263,10 @@ class AdapterPool:
     # -- adapters ------------------------------------------------------------------------
     def load(self, adapter: LoraAdapter) -> int:
         """Copy ``adapter`` into a free slot; checks everything before writing anything."""
+        with self._lock:
+            return self._load(adapter)
+
+    def _load(self, adapter: LoraAdapter) -> int:
         name = adapter.name
         unresolved = [fqn for fqn, f in adapter.modules.items() if f.kind == "parameter"]
         if unresolved:
@@ -262,11 +276,12 @@ class AdapterPool:
             )
         if name in self.adapters:
             raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
-        free = [s for s in range(self.max_loras) if s not in self.slot_of.values()]
+        free = [s for s in range(self.max_loras) if s not in self.slot_of.values() and s not in self._draining]
         if not free:
+            draining = f" ({len(self._draining)} more until the calls reading them end)" if self._draining else ""
             raise AdapterError(
-                f"adapter {name!r}: no free slot: all max_loras={self.max_loras} slots hold {sorted(self.adapters)}; "
-                "unload one (unload_adapter) or compile with a larger max_loras="
+                f"adapter {name!r}: no free slot: all max_loras={self.max_loras} slots hold {sorted(self.adapters)}"
+                f"{draining}; unload one (unload_adapter) or compile with a larger max_loras="
             )
         if adapter.max_rank > self.max_rank:
             worst = max(adapter.modules, key=lambda m: adapter.modules[m].rank)
@@ -290,12 +305,36 @@ class AdapterPool:
         return slot
 
     def unload(self, name: str) -> None:
-        if name not in self.adapters:
-            raise AdapterError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
-        slot = self.slot_of.pop(name)
-        del self.adapters[name]
-        self._write(slot, None)
+        """Take ``name`` out: calls that start later cannot name it. Its slot is zeroed now,
+        or, while calls in flight read it, when the last of them ends."""
+        with self._lock:
+            if name not in self.adapters:
+                raise AdapterError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+            slot = self.slot_of.pop(name)
+            del self.adapters[name]
+            if self._pins[slot]:
+                self._draining.add(slot)
+            else:
+                self._write(slot, None)
         log.info("unloaded adapter %r from slot %d", name, slot)
+
+    def acquire(self, adapter_names: Sequence[str | None]) -> tuple[list[int], set[str]]:
+        """Per-row slot ids for a call, pinned until :meth:`release`, and the target modules
+        the named adapters change (for the call's coverage check)."""
+        with self._lock:
+            slots = self.slot_ids(adapter_names)
+            for slot in set(slots) - {NO_ADAPTER}:
+                self._pins[slot] += 1
+            return slots, self.modules_of({n for n in adapter_names if n is not None})
+
+    def release(self, slots: Iterable[int]) -> None:
+        """End a call's pins; a slot unloaded meanwhile is zeroed once nothing reads it."""
+        with self._lock:
+            for slot in set(slots) - {NO_ADAPTER}:
+                self._pins[slot] -= 1
+                if not self._pins[slot] and slot in self._draining:
+                    self._draining.discard(slot)
+                    self._write(slot, None)
 
     def _write(self, slot: int, adapter: LoraAdapter | None) -> None:
         for target in self.targets.values():

@@ -12,6 +12,7 @@ captured per input signature on first use.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -40,6 +41,9 @@ class Backend:
         identity; without it, by the paths Dynamo records."""
         self.pool = pool
         self.modules = modules
+        # One call at a time runs the graphs: they share the arena, the CUDA graphs' memory
+        # pool and (under generate) the KV cache. Other threads wait here.
+        self.lock = threading.RLock()
         self.cuda_graphs = cuda_graphs
         self.graphs: GraphSet | None = None  # made for the first graph's device
         self.arena = Arena()
@@ -73,7 +77,7 @@ class Backend:
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
         if self.cuda_graphs and self.graphs is None:
             self.graphs = GraphSet(device, enabled=True)
-        router = Router(variants, self.pool, device, self.graphs)
+        router = Router(variants, self.pool, device, self.graphs, self.lock)
         lora = variants.lora
         kinds = Counter(n.target.name() for n in (lora.graph.nodes if lora else ()) if n.target in LORA_OPS)
         summary = ", ".join(f"{n} x {op}" for op, n in sorted(kinds.items())) or "no LoRA ops"

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fxlora.adapters import NO_ADAPTER
 from fxlora.errors import AdapterError
 from fxlora.runtime.backend import Backend
 from fxlora.runtime.cuda_graphs import GraphSet
@@ -148,13 +149,16 @@ class DecodeRuntime:
     def generate(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        *,
         adapter_names: Sequence[str | None] | None,
         max_new_tokens: int,
         eos_token_id: int | Sequence[int] | None,
         pad_token_id: int | None,
         sampling: Sampling,
     ) -> torch.Tensor:
+        """One generate call: the rows' adapters are pinned for the whole call (unloading
+        one meanwhile takes effect after it), and the runtime serves one call at a time."""
         rows, prompt_len = input_ids.shape
         names = list(adapter_names) if adapter_names is not None else [None] * rows
         if len(names) != rows:
@@ -170,7 +174,26 @@ class DecodeRuntime:
                 f"max_len={self.max_len}: compile with a larger max_len= "
                 f"(fxlora.compile(..., max_len={prompt_len + max_new_tokens})), or ask for fewer new tokens"
             )
-        slots = self.backend.pool.slot_ids(names)
+        self.bucket_for(rows)  # a batch no decode graph serves fails before any work
+        pool = self.backend.pool
+        slots, _ = pool.acquire(names)
+        try:
+            with self.backend.lock:
+                return self._generate(input_ids, attention_mask, slots, max_new_tokens, eos_token_id, pad_token_id, sampling)
+        finally:
+            pool.release(slots)
+
+    def _generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        slots: list[int],
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None,
+        pad_token_id: int | None,
+        sampling: Sampling,
+    ) -> torch.Tensor:
+        rows, prompt_len = input_ids.shape
         eos = torch.tensor(
             [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
             dtype=torch.long,
@@ -193,7 +216,7 @@ class DecodeRuntime:
         self.mask.fill_(_masked(self.dtype))
         self.mask[:rows, 0, 0, :prompt_len].masked_fill_(keep, 0.0)
         self.positions[:rows, 0].copy_(lengths)
-        bucket = self.bucket_for(rows)
+        bucket = self.bucket_for(rows)  # checked before the call: it fits
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         out = [ids]
         for step in range(max_new_tokens):
@@ -208,12 +231,11 @@ class DecodeRuntime:
                 finished = done.tolist()  # the host needs it: stop, and route finished rows to the base model
                 if all(finished):
                     break
-                names = [None if f else n for n, f in zip(names, finished)]
+                slots = [NO_ADAPTER if f else s for s, f in zip(slots, finished)]
             column = prompt_len + step
             self.ids[:rows, 0].copy_(tokens)
             self.column.fill_(column)
             self.mask[:, 0, 0, column] = 0.0
-            slots = self.backend.pool.slot_ids(names)
             variant = "lora" if any(s >= 0 for s in slots) else "nolora"
             if variant == "lora":
                 self._write_slots(slots)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fxlora.adapters import NO_ADAPTER, AdapterPool
+from fxlora.adapters.peft_format import BASE_NAME
 from fxlora.compiler import Variants
 from fxlora.errors import AdapterError, LoraNotRunError
 from fxlora.runtime.cuda_graphs import GraphSet, cpu_work
@@ -33,27 +35,40 @@ log = logging.getLogger(__name__)
 class Selection:
     """The rows' adapters for the calls of one block, and what the graphs served.
 
-    ``names`` (one per row, ``None`` for the base model) are resolved to slot ids once per
-    pool and device; ``fixed`` slot ids (or ``fixed_nolora``) serve every graph as they are.
-    ``pools`` and ``modules`` record the pools the graphs read and the modules whose LoRA
-    ran. Code Dynamo does not compile (a graph break, a frame it gave up on) runs the plain
-    model; this is how a caller notices, instead of returning base outputs for adapter rows."""
+    ``names`` (one per row, ``None`` for the base model) are resolved once per pool: the
+    slots are pinned (an adapter unloaded meanwhile keeps its weights until :meth:`release`)
+    and the modules the adapters change are noted. ``fixed`` slot ids (or ``fixed_nolora``)
+    serve every graph as they are. ``pools`` and ``modules`` record the pools the graphs
+    read and the modules whose LoRA ran. Code Dynamo does not compile (a graph break, a
+    frame it gave up on) runs the plain model; this is how a caller notices, instead of
+    returning base outputs for adapter rows."""
 
     names: tuple[str | None, ...] | None = None
     fixed: torch.Tensor | None = None
     fixed_nolora: bool = False
     pools: dict[int, AdapterPool] = field(default_factory=dict)
     modules: set[str] = field(default_factory=set)
-    _resolved: dict[tuple[int, torch.device], torch.Tensor | None] = field(default_factory=dict)
+    _held: dict[int, tuple[list[int], set[str]]] = field(default_factory=dict)  # pool -> (slots, needed)
+    _tensors: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
 
     def slot_ids(self, pool: AdapterPool, device: torch.device) -> torch.Tensor | None:
         """Per-row int32 slot ids on ``device``, or None when no row has an adapter."""
+        self.pools[id(pool)] = pool
         if self.fixed is not None or self.fixed_nolora:
             return self.fixed
+        if not self.uses_adapters:
+            return None
+        if id(pool) not in self._held:
+            self._held[id(pool)] = pool.acquire(self.names)
         key = (id(pool), device)
-        if key not in self._resolved:
-            self._resolved[key] = _to_slot_tensor(pool.slot_ids(self.names), device) if self.uses_adapters else None
-        return self._resolved[key]
+        if key not in self._tensors:
+            self._tensors[key] = _to_slot_tensor(self._held[id(pool)][0], device)
+        return self._tensors[key]
+
+    def release(self) -> None:
+        for pool_id, (slots, _) in self._held.items():
+            self.pools[pool_id].release(slots)
+        self._held.clear()
 
     @property
     def uses_adapters(self) -> bool:
@@ -72,15 +87,15 @@ class Selection:
         """Raise unless the LoRA of every targeted module of the named adapters ran."""
         if not self.uses_adapters:
             return
-        adapters = {n for n in self.names if n is not None}
         if not self.pools:
+            adapters = sorted({n for n in self.names if n is not None})
             raise LoraNotRunError(
-                f"rows ask for adapters {sorted(adapters)}, but no fxlora graph ran: the model ran outside the "
+                f"rows ask for adapters {adapters}, but no fxlora graph ran: the model ran outside the "
                 "compiled graphs (Dynamo's recompile limit was hit, or nothing compiled with the fxlora backend "
                 "was called inside use_adapters). See TORCH_LOGS=recompiles."
             )
-        for pool in self.pools.values():
-            self.require(pool.modules_of(adapters))
+        for _, needed in self._held.values():
+            self.require(needed)
 
 
 def _to_slot_tensor(slots: list[int], device: torch.device) -> torch.Tensor:
@@ -92,11 +107,13 @@ _selection: contextvars.ContextVar[Selection | None] = contextvars.ContextVar("f
 
 @contextlib.contextmanager
 def selecting(selection: Selection) -> Iterator[Selection]:
+    """Calls inside the block serve ``selection``; its slots are released when it ends."""
     token = _selection.set(selection)
     try:
         yield selection
     finally:
         _selection.reset(token)
+        selection.release()
 
 
 @contextlib.contextmanager
@@ -105,12 +122,10 @@ def use_adapters(adapter_names: Sequence[str | None] | None) -> Iterator[None]:
     row's adapter did not run on every module it targets (part of the model ran outside
     the compiled graphs), the block raises :class:`LoraNotRunError` instead of returning
     base outputs for that row."""
-    with selecting(Selection(names=check_names(adapter_names))) as selection:
+    selection = Selection(names=check_names(adapter_names))
+    with selecting(selection):
         yield
-    selection.require_adapters()
-
-
-BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch; None here too
+        selection.require_adapters()
 
 
 def check_names(adapter_names: Sequence[str | None] | None) -> tuple[str | None, ...] | None:
@@ -123,7 +138,7 @@ def check_names(adapter_names: Sequence[str | None] | None) -> tuple[str | None,
             f"adapter_names must be a sequence with one name (or None) per row, got the string {adapter_names!r}: "
             f"write [{adapter_names!r}] for one row"
         )
-    return tuple(None if n == BASE else n for n in adapter_names)
+    return tuple(None if n == BASE_NAME else n for n in adapter_names)
 
 
 @contextlib.contextmanager
@@ -158,9 +173,18 @@ __all__ = ["NO_ADAPTER", "Router", "Selection", "current_selection", "use_adapte
 class Router:
     """Runs one compiled graph's ``lora`` or ``nolora`` variant, as the current names ask."""
 
-    def __init__(self, variants: Variants, pool: AdapterPool, device: torch.device, graphs: GraphSet | None = None):
-        """``graphs``: replay the variants from CUDA graphs captured per input signature."""
+    def __init__(
+        self,
+        variants: Variants,
+        pool: AdapterPool,
+        device: torch.device,
+        graphs: GraphSet | None = None,
+        lock: threading.RLock | None = None,
+    ):
+        """``graphs``: replay the variants from CUDA graphs captured per input signature;
+        ``lock``: held while a variant runs (the graphs of one backend share memory)."""
         self.lora, self.nolora, self.pool, self.device = variants.lora, variants.nolora, pool, device
+        self.lock = lock or threading.RLock()
         self.graphs = graphs
         self.lora_modules = variants.rewritten
         candidates = (("lora", self.lora), ("nolora", self.nolora)) if graphs is not None else ()
@@ -171,15 +195,15 @@ class Router:
         if selection is None:
             warn_unnamed(self.pool)
             selection = Selection()
-        selection.pools[id(self.pool)] = self.pool
-        slot_ids = selection.slot_ids(self.pool, self.device) if self.lora is not None else None
-        if slot_ids is None:
+        slot_ids = selection.slot_ids(self.pool, self.device)
+        if slot_ids is None or self.lora is None:
             return self._run("nolora", args)
         selection.modules |= self.lora_modules  # a graph runs whole or raises
         return self._run("lora", (*args, slot_ids))
 
     def _run(self, variant: str, args: tuple):
         fn = getattr(self, variant)
-        if self.graphs is None:
-            return fn(*args)
-        return self.graphs.call((id(self), variant), fn, args, self.uncapturable[variant])
+        with self.lock:
+            if self.graphs is None:
+                return fn(*args)
+            return self.graphs.call((id(self), variant), fn, args, self.uncapturable[variant])
