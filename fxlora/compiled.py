@@ -23,6 +23,7 @@ from fxlora.compiler.annotate import ModuleTree
 from fxlora.errors import AdapterError
 from fxlora.runtime import Backend
 from fxlora.runtime.backend import raise_recompile_limit
+from fxlora.runtime.explain import report
 from fxlora.runtime.generation import DecodeRuntime, Sampling
 from fxlora.runtime.routing import Selection, check_names, selecting, warn_unnamed
 
@@ -80,6 +81,8 @@ class CompiledModel(torch.nn.Module):
         kwargs = {k: _own(v) for k, v in kwargs.items()}
         for t in (*args, *kwargs.values()):
             mark_batch_dims_dynamic(t)
+        if not self._backend.records:
+            log.info("tracing and compiling %s: the first call of each input layout takes a while", type(self.model).__name__)
         with selecting(Selection(names=names)) as selection:
             selection.slot_ids(self.pool, self._device)  # resolved once, here: unknown names fail before any work
             with self._backend.lock:
@@ -143,13 +146,27 @@ class CompiledModel(torch.nn.Module):
         self.pool.unload(name)
 
     def explain(self) -> str:
-        """What was rewritten, what was skipped and why."""
-        lines = list(self._backend.explain())
-        if self._runtime is not None:
-            lines += self._runtime.describe()
-        if not self._backend.routers:
-            lines.append("no graph compiled yet: call the model once to trace it")
-        return "\n".join(lines)
+        """A report read top to bottom: the adapter pool (slots used and free, each adapter),
+        every traced graph by role with its LoRA ops, what is not served and why, memory, and
+        the terms it uses."""
+        backend, runtime = self._backend, self._runtime
+        memory = {}
+        lines = backend.describe_runtime()
+        if runtime is not None:
+            lines += runtime.describe()
+            memory["KV cache"] = f"{runtime.cache.nbytes / 2**20:.2f} MiB ({runtime.max_batch_size} rows x {runtime.max_len} tokens)"
+            if runtime.graphs.graphs:
+                memory["CUDA graph pool"] = f"{runtime.graphs.pool_bytes / 2**20:.2f} MiB"
+        return report(
+            f"fxlora: {type(self.model).__name__} compiled for mixed batches of LoRA adapters",
+            backend.pool,
+            backend.arena,
+            backend.records,
+            sorted(set(backend.pool.targets) - set(backend.rewritten)) if backend.records else [],
+            backend.notes,
+            lines,
+            memory,
+        )
 
 
 def mark_batch_dims_dynamic(x: Any) -> None:
@@ -243,7 +260,7 @@ def compile(
         # the eager experts loop reads routing on the host and breaks the graph; this one traces.
         # Switched after every check, so that a compile that fails leaves the model as it was.
         model.set_experts_implementation("grouped_mm")
-        log.info("fxlora: experts switched to the traceable grouped_mm implementation")
+        log.info("experts switched to the traceable grouped_mm implementation")
     backend = Backend(pool, modules=ModuleTree(model))
     quantization = getattr(config, "quantization_config", None) or getattr(model, "hf_quantizer", None)
     if quantization is not None:
@@ -254,10 +271,10 @@ def compile(
             "scope, LoRA ops read its weights as plain tensors"
         )
         backend.notes.append(note)
-        log.warning("fxlora: %s", note)
+        log.warning("%s", note)
     raise_recompile_limit()
     compiled = torch.compile(own_code_object(model), backend=backend, dynamic=dynamic, fullgraph=fullgraph)
-    log.info("fxlora: %d adapters in %d target modules", len(adapters), len(pool.targets))
+    log.info("%d adapters in %d target modules", len(adapters), len(pool.targets))
     runtime = dict(max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs)
     return CompiledModel(model, backend, compiled, runtime)
 

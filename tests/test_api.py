@@ -63,16 +63,26 @@ def test_outputs_keep_the_models_type(model, inputs):
     assert type(cm(**inputs)) is type(model(**inputs))
 
 
-def test_explain_says_what_was_rewritten(model, inputs, tmp_path):
+def test_explain_reads_top_to_bottom(model, inputs, tmp_path):
     adapter = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]), 0, str(tmp_path / "a"))
-    cm = fxlora.compile(model, adapters={"a": adapter}, max_loras=3)
-    assert "no graph compiled yet" in cm.explain()
+    cm = fxlora.compile(model, adapters={"a": adapter}, max_loras=3, target_modules=["q_proj", "o_proj"])
+    assert "none yet: call the model once to trace it" in cm.explain()
     cm(**inputs, adapter_names=["a", "a", None])
     text = cm.explain()
-    assert "3 target modules, 3 slots" in text
-    assert "slot 0: 'a'" in text
-    assert "2 x fxlora::lora_linear" in text and "1 x fxlora::lora_embedding" in text
-    assert "1 prologue(s) shared by 3 LoRA op(s)" in text
+    sections = ["Adapter pool:", "Graphs (", "Not served:", "Memory:", "Terms:"]
+    assert [text.index(s) for s in sections] == sorted(text.index(s) for s in sections)
+    assert "Adapter pool: 1 of 3 slots used, 2 free; 5 target modules" in text
+    assert "slot 0: 'a', rank <= 4, 3 modules" in text
+    assert "forward graph 0: lora runs 1 x lora_embedding, 4 x lora_linear after 1 prologue(s)" in text
+    body, terms = text.split("Terms:")
+    for line in terms.strip().splitlines():  # every term explained is one the report uses
+        term = line.strip().split(":")[0]
+        assert any(t in body for t in term.split(" / ")), term
+    for used in ("slot", "lora / nolora", "prologue", "arena"):
+        assert f"\n  {used}: " in terms, used
+    assert "buckets:" not in terms  # no runtime yet: the report says nothing of buckets
+    cm.prepare()
+    assert "\n  buckets: " in cm.explain().split("Terms:")[1]
 
 
 def test_lora_skipped_by_eager_fallback_is_an_error(model, inputs, tmp_path):

@@ -196,5 +196,5 @@ def test_entry_points_agree(served, tmp_path, caplog):
         for _ in range(2):
             assert torch.equal(graphed(**inputs).logits, via_dynamo)
     assert [r.message for r in caplog.records if "CUDA graphs" in r.message] == [
-        "fxlora: running without CUDA graphs: the model is on cpu, not CUDA"
+        "running without CUDA graphs: the model is on cpu, not CUDA"
     ]

@@ -361,11 +361,3 @@ class AdapterPool:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.targets.values())
-
-    def describe(self) -> Iterable[str]:
-        yield f"adapter pool: {len(self.targets)} target modules, {self.max_loras} slots, max_rank {self.max_rank}, {self.nbytes / 2**20:.1f} MiB"
-        for name, slot in sorted(self.slot_of.items(), key=lambda kv: kv[1]):
-            a = self.adapters[name]
-            formats = sorted({f.format for f in a.modules.values() if f.format})
-            experts = f"; experts LoRA as {', '.join(formats)}" if formats else ""
-            yield f"  slot {slot}: {name!r} from {a.source}: {len(a.modules)} modules, rank <= {a.max_rank}{experts}"

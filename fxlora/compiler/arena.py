@@ -153,7 +153,7 @@ class Arena:
         size = max((p.place(device) for p in self.plans), default=0)
         if self.buffer is None or self.buffer.numel() < size or self.buffer.device != device:
             self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        log.info("fxlora: arena of %d bytes for %d allocations", size, sum(len(p.placed) for p in self.plans))
+        log.info("arena of %d bytes for %d allocations", size, sum(len(p.placed) for p in self.plans))
 
     @property
     def nbytes(self) -> int:
@@ -163,12 +163,3 @@ class Arena:
     def replaced_bytes(self) -> int:
         """What the placed allocations would take side by side, at the sizes measured."""
         return sum(s.measured for p in self.plans for s in p.placed)
-
-    def describe(self) -> list[str]:
-        sites = [s for p in self.plans for s in p.placed]
-        if not sites:
-            return ["arena: not planned yet (generate / prepare plans it)"]
-        return [
-            f"arena: {self.nbytes} bytes holding {len(sites)} allocations of {len(self.plans)} graph(s) "
-            f"that would take {self.replaced_bytes} bytes side by side"
-        ]

@@ -11,21 +11,23 @@ captured per input signature on first use.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import threading
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from fxlora.adapters import AdapterPool, read_adapter
-from fxlora.compiler import LORA_OPS, PassContext, run_pipeline
+from fxlora.compiler import PassContext, run_pipeline
 from fxlora.compiler.annotate import ModuleTree
 from fxlora.compiler.arena import Arena
 from fxlora.errors import AdapterError
 from fxlora.runtime.cuda_graphs import GraphSet
+from fxlora.runtime.explain import GraphRecord
 from fxlora.runtime.routing import Router
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class Backend:
         self.graphs: GraphSet | None = None  # made for the first graph's device
         self.arena = Arena()
         self.routers: list[Router] = []
-        self.reports: list[list[str]] = []
+        self.records: list[GraphRecord] = []  # one per traced graph, for explain()
         self.rewritten: dict[str, str] = {}  # module FQN -> the LoRA op it became, over all graphs
         self.notes: list[str] = []  # about the model as a whole, for explain()
 
@@ -78,31 +80,36 @@ class Backend:
         if self.cuda_graphs and self.graphs is None:
             self.graphs = GraphSet(device, enabled=True)
         router = Router(variants, self.pool, device, self.graphs, self.lock)
-        lora = variants.lora
-        kinds = Counter(n.target.name() for n in (lora.graph.nodes if lora else ()) if n.target in LORA_OPS)
-        summary = ", ".join(f"{n} x {op}" for op, n in sorted(kinds.items())) or "no LoRA ops"
-        ctx.report.insert(0, f"graph {len(self.routers)}: {summary}")
+        record = GraphRecord.of(len(self.routers), _role.get(), variants, ctx.report)
         self.routers.append(router)
-        self.reports.append(ctx.report)
+        self.records.append(record)
         self.rewritten.update(ctx.rewritten)
-        log.info("compiled %s", ctx.report[0])
+        log.info("compiled %s", next(iter(record.lines())).strip())
         return router
 
-    def explain(self) -> Iterable[str]:
-        yield from self.notes
-        yield from self.pool.describe()
-        yield from self.arena.describe()
-        if self.graphs is not None:
-            yield (
-                f"CUDA graphs: {len(self.graphs._calls)} captured (one per variant and input signature) in "
-                f"{self.graphs.capture_seconds:.1f} s"
-                if self.graphs.enabled
-                else f"CUDA graphs: off, {self.graphs.fallback_reason}"
-            )
-        for report in self.reports:
-            yield from report
-        for fqn in sorted(set(self.pool.targets) - set(self.rewritten)):
-            yield f"skipped {fqn}: targeted, but no traced graph calls it as a plain linear / embedding / experts region"
+    def describe_runtime(self) -> list[str]:
+        """The CUDA graphs of ``torch.compile(..., options={"cuda_graphs": True})``."""
+        if self.graphs is None:
+            return []
+        if not self.graphs.enabled:
+            return [f"CUDA graphs: off, {self.graphs.fallback_reason}"]
+        return [
+            f"CUDA graphs: {len(self.graphs._calls)} captured (one per variant and input signature) in "
+            f"{self.graphs.capture_seconds:.1f} s"
+        ]
+
+
+_role: contextvars.ContextVar[str] = contextvars.ContextVar("fxlora_graph_role", default="forward")
+
+
+@contextlib.contextmanager
+def tracing_as(role: str) -> Iterator[None]:
+    """Graphs traced inside the block are reported as ``role`` ("prefill", "decode step")."""
+    token = _role.set(role)
+    try:
+        yield
+    finally:
+        _role.reset(token)
 
 
 def _first_device(example_inputs: list[Any]) -> torch.device:

@@ -50,7 +50,7 @@ class GraphSet:
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
-        for key in tqdm(keys, desc="fxlora: capturing CUDA graphs", disable=not progress, leave=False):
+        for key in tqdm(keys, desc="fxlora: capturing CUDA graphs", disable=None if progress else True, leave=False):
             try:
                 self.graphs[key] = self._capture_one(fn, key)
             except Exception as e:  # noqa: BLE001 - any failure means: run eagerly, and say why
@@ -60,7 +60,7 @@ class GraphSet:
                 self._warn()
                 return
         self.capture_seconds += time.perf_counter() - start
-        log.info("fxlora: captured %d CUDA graphs in %.1f s", len(keys), time.perf_counter() - start)
+        log.info("captured %d CUDA graphs in %.1f s", len(keys), time.perf_counter() - start)
 
     def _capture_one(
         self, fn: Callable[[Hashable], Any], key: Hashable, warmups: int = 2
@@ -111,7 +111,7 @@ class GraphSet:
         if uncapturable is not None:
             if key not in self._refused:
                 self._refused.add(key)
-                log.warning("fxlora: graph %s runs without CUDA graphs: %s", key, uncapturable)
+                log.warning("graph %s runs without CUDA graphs: %s", key, uncapturable)
             return fn(*args)
         sig = (key, *(_signature(a) for a in args))
         captured = self._calls.get(sig)
@@ -146,7 +146,7 @@ class GraphSet:
 
     def _warn(self) -> None:
         if not self._warned and self.fallback_reason is not None:
-            log.warning("fxlora: running without CUDA graphs: %s", self.fallback_reason)
+            log.warning("running without CUDA graphs: %s", self.fallback_reason)
             self._warned = True
 
 

@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from fxlora.adapters import NO_ADAPTER
 from fxlora.errors import AdapterError
-from fxlora.runtime.backend import Backend
+from fxlora.runtime.backend import Backend, tracing_as
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.kv_cache import StaticKVCache, cache_keyword, probe_shapes, rows_of
 from fxlora.runtime.routing import use_slots
@@ -76,8 +77,11 @@ class DecodeRuntime:
         self.graphs = GraphSet(self.device, cuda_graphs)
         keys = [(v, b) for b in sorted(self.buckets, reverse=True) for v in VARIANTS]
         with torch.no_grad():
-            for key in keys:  # traces the decode graphs and measures their allocations
-                self._decode(key)
+            log.info("tracing the decode step for batch buckets %s", self.buckets)
+            steps = tqdm(keys, desc="fxlora: tracing decode steps", disable=None if progress else True, leave=False)
+            with tracing_as("decode step"):
+                for key in steps:  # traces the decode graphs and measures their allocations
+                    self._decode(key)
             backend.arena.plan(self.device)
             self.graphs.capture(keys, self._decode, progress=progress)
 
@@ -116,17 +120,14 @@ class DecodeRuntime:
         return self._call(rows, ids, positions, mask, self.column, slot_ids)
 
     def describe(self) -> list[str]:
-        lines = [
-            f"runtime: KV cache {self.cache.nbytes} bytes ({self.max_batch_size} rows x {self.max_len} tokens), "
-            f"batch buckets {self.buckets}"
-        ]
+        roles = "lora and nolora"
+        lines = [f"decode steps: batch buckets {self.buckets}, each with a {roles} graph"]
         if self.graphs.graphs:
             lines.append(
-                f"CUDA graphs: {len(self.graphs.graphs)} captured (variants x buckets) in "
-                f"{self.graphs.capture_seconds:.1f} s, pool {self.graphs.pool_bytes} bytes"
+                f"CUDA graphs: {len(self.graphs.graphs)} captured ({roles} x buckets) in {self.graphs.capture_seconds:.1f} s"
             )
         else:
-            lines.append(f"CUDA graphs: none, decode steps run eagerly ({self.graphs.fallback_reason})")
+            lines.append(f"CUDA graphs: none, decode steps run eagerly ({self.graphs.fallback_reason or 'turned off'})")
         return lines
 
     # -- generation ------------------------------------------------------------------------
@@ -210,7 +211,8 @@ class DecodeRuntime:
         mask = torch.full((rows, 1, prompt_len, self.max_len), _masked(self.dtype), dtype=self.dtype, device=self.device)
         mask[..., :prompt_len].masked_fill_(visible, 0.0)
         slot_ids = torch.tensor(slots, dtype=torch.int32, device=self.device) if any(s >= 0 for s in slots) else None
-        logits = self._call(rows, ids, positions, mask, columns, slot_ids)
+        with tracing_as("prefill"):
+            logits = self._call(rows, ids, positions, mask, columns, slot_ids)
 
         # decode state in the static buffers
         self.mask.fill_(_masked(self.dtype))
