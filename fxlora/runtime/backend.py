@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -53,6 +54,7 @@ class Backend:
         self.records: list[GraphRecord] = []  # one per traced graph, for explain()
         self.rewritten: dict[str, str] = {}  # module FQN -> the LoRA op it became, over all graphs
         self.notes: list[str] = []  # about the model as a whole, for explain()
+        self.options: Mapping[str, Any] | None = None  # the torch.compile options it was made from
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Backend:
@@ -79,7 +81,7 @@ class Backend:
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
         if self.cuda_graphs and self.graphs is None:
             self.graphs = GraphSet(device, enabled=True)
-        router = Router(variants, self.pool, device, self.graphs, self.lock)
+        router = Router(variants, self.pool, device, self.graphs, self.lock, owner=self)
         record = GraphRecord.of(len(self.routers), _role.get(), variants, ctx.report)
         self.routers.append(router)
         self.records.append(record)
@@ -119,7 +121,9 @@ def _first_device(example_inputs: list[Any]) -> torch.device:
     return torch.device("cpu")
 
 
-_BACKENDS: dict[int, tuple[Mapping, Backend]] = {}
+# The backend of each live options dict: a backend keeps its dict alive (so ids stay unique)
+# and its graphs keep the backend alive; when Dynamo drops them, the pool goes too.
+_BACKENDS: weakref.WeakValueDictionary[int, Backend] = weakref.WeakValueDictionary()
 
 # Dynamo's cache entries per code object before it runs the code eagerly. Under
 # ``torch.compile`` every transformers model is traced from one shared ``forward`` wrapper,
@@ -144,15 +148,17 @@ def fxlora_backend(
     therefore comes back as a graph that raises the error itself, as it is, from every call.
     """
     options = options if options is not None else {}
-    if id(options) not in _BACKENDS:  # the dict is kept alive beside its backend, so ids stay unique
+    backend = _BACKENDS.get(id(options))
+    if backend is None:
         try:
             backend = Backend.from_options(options)
         except (ValueError, TypeError) as e:  # AdapterError is a ValueError
             return _raising(e)
-        _BACKENDS[id(options)] = (options, backend)
+        backend.options = options
+        _BACKENDS[id(options)] = backend
         raise_recompile_limit()
     try:
-        return _BACKENDS[id(options)][1](gm, example_inputs)
+        return backend(gm, example_inputs)
     except AdapterError as e:  # an adapter that does not fit a module this graph brought in
         return _raising(e)
 

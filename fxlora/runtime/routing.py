@@ -180,10 +180,13 @@ class Router:
         device: torch.device,
         graphs: GraphSet | None = None,
         lock: threading.RLock | None = None,
+        owner: object = None,
     ):
         """``graphs``: replay the variants from CUDA graphs captured per input signature;
-        ``lock``: held while a variant runs (the graphs of one backend share memory)."""
+        ``lock``: held while a variant runs (the graphs of one backend share memory);
+        ``owner``: what made the router, kept alive as long as Dynamo keeps the graph."""
         self.lora, self.nolora, self.pool, self.device = variants.lora, variants.nolora, pool, device
+        self.owner = owner
         self.lock = lock or threading.RLock()
         self.graphs = graphs
         self.lora_modules = variants.rewritten
