@@ -7,8 +7,9 @@ must have one output; its inputs are the hidden states, the routing (``top_k_ind
 ``top_k_weights``) and the module's parameters, recognised by identity with the model's
 tensors. The op is inserted after the region and takes over its users, and the region's
 nodes, dead then, are erased (``nolora``, copied before this pass, keeps the region exactly
-as traced). The layout (transposed weights, the gate, the
-activation) is read from the experts class (:func:`fxlora.adapters.experts.layout`).
+as traced). Each projection's factors go in as one bundle (``pool_nodes``; an empty list for
+a projection no adapter targets). The layout (transposed weights, the gate, the activation)
+is read from the experts class (:func:`fxlora.adapters.experts.layout`).
 """
 
 from __future__ import annotations
@@ -87,11 +88,9 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
     hidden, top_k_index, top_k_weights, found, up_name = matched
     output = outputs[0]
     with gm.graph.inserting_before(output.next):
-        lora = []
-        for name in (up_name, "down_proj"):
-            lora += pool_nodes(gm, targets[name]) if name in targets else [None] * 4
+        up_lora, down_lora = (pool_nodes(gm, targets[n]) if n in targets else [] for n in (up_name, "down_proj"))
         token_slot = batch_info_for(gm, ctx, hidden, feature_dims=1)[0]
-        pool_a = next(a for a in (lora[0], lora[4]) if a is not None)
+        pool_a = (up_lora or down_lora)[0]
         a_value = next(t.lora_a for t in targets.values())
         workspace = gm.graph.call_function(moe_workspace, (top_k_index, pool_a))
         fake_value(workspace, lambda idx: moe_workspace(idx, a_value, device=idx.device), top_k_index)
@@ -100,7 +99,7 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         args = (
             hidden, top_k_index, top_k_weights,
             found["up"], found.get("up_bias"), found["down"], found.get("down_bias"),
-            *lora, token_slot, workspace, routing,
+            up_lora, down_lora, token_slot, workspace, routing,
             layout["transposed"], layout["gate"], layout["act"], layout["alpha"], layout["limit"],
         )  # fmt: skip
         op = gm.graph.call_function(torch.ops.fxlora.moe_lora.default, args)
