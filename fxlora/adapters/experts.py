@@ -49,9 +49,20 @@ def experts_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]
     return {up: getattr(module, up), "down_proj": module.down_proj}
 
 
-def layout(module: torch.nn.Module) -> dict | str:
-    """How ``fxlora::moe_lora`` computes these experts (``transposed``, ``gate``, ``act``,
-    ``alpha``, ``limit``), or why it cannot."""
+@dataclasses.dataclass(frozen=True)
+class ExpertsLayout:
+    """How ``fxlora::moe_lora`` computes an experts module: its layout scalars, named as the
+    op's schema names them (the ``lora_moe`` pass hands them over by name)."""
+
+    transposed: bool  # weights stored (E, in, out)
+    gate: str  # one of fxlora.ops.moe_lora.GATES
+    act: str  # a transformers activation name ("" for GPT-OSS's built-in gate)
+    alpha: float  # GPT-OSS's gate: sigmoid(alpha · gate)
+    limit: float  # GPT-OSS's gate: the clamp
+
+
+def layout(module: torch.nn.Module) -> ExpertsLayout | str:
+    """How ``fxlora::moe_lora`` computes these experts, or why it cannot."""
     from transformers.integrations.moe import _default_apply_gate
 
     if getattr(module, "has_post_expert_norm", False):
@@ -68,7 +79,7 @@ def layout(module: torch.nn.Module) -> dict | str:
     act = getattr(getattr(module, "config", None), "hidden_act", None)  # what the class built act_fn from
     if act is None and gate != "glu_interleaved_clamped":
         return "its config does not name its activation (hidden_act)"
-    return dict(transposed=bool(module.is_transposed), gate=gate, act=act or "", alpha=alpha, limit=limit)
+    return ExpertsLayout(transposed=bool(module.is_transposed), gate=gate, act=act or "", alpha=alpha, limit=limit)
 
 
 def in_out(module: torch.nn.Module, weight: torch.Tensor) -> tuple[int, int]:

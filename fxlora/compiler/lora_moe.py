@@ -9,11 +9,13 @@ tensors. The op is inserted after the region and takes over its users, and the r
 nodes, dead then, are erased (``nolora``, copied before this pass, keeps the region exactly
 as traced). Each projection's factors go in as one bundle (``pool_nodes``; an empty list for
 a projection no adapter targets). The layout (transposed weights, the gate, the activation)
-is read from the experts class (:func:`fxlora.adapters.experts.layout`).
+is read from the experts class (:func:`fxlora.adapters.experts.layout`) and handed to the
+op by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import torch
@@ -100,9 +102,8 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
             hidden, top_k_index, top_k_weights,
             found["up"], found.get("up_bias"), found["down"], found.get("down_bias"),
             up_lora, down_lora, token_slot, workspace, routing,
-            layout["transposed"], layout["gate"], layout["act"], layout["alpha"], layout["limit"],
         )  # fmt: skip
-        op = gm.graph.call_function(torch.ops.fxlora.moe_lora.default, args)
+        op = gm.graph.call_function(torch.ops.fxlora.moe_lora.default, args, dataclasses.asdict(layout))
     op.meta.update({k: v for k, v in output.meta.items() if k in ("val", "example_value", "nn_module_stack")})
     op.meta["fxlora_module"] = owner
     output.replace_all_uses_with(op, delete_user_cb=lambda user: user is not op)
