@@ -119,9 +119,7 @@ def run_case(shape: str, tokens: int, rank: int, adapters: int, bandwidth: float
     workspace = torch.empty(tokens, slices * rank, device="cuda")
 
     def fxlora(overlap=True, x=x, w=w, a=a, b=b):
-        return lora_linear_triton(
-            x, w, None, a, b, scaling, ranks, *meta, workspace, overlap=overlap, slice_widths=widths
-        )
+        return lora_linear_triton(x, w, None, [a, b, scaling, ranks], meta, workspace, overlap=overlap, slice_widths=widths)
 
     # Cold: in a model every layer reads its weights from memory, not from L2 as a loop over one
     # layer does. Cycle through copies of the operands that together overflow L2.

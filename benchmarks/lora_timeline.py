@@ -72,7 +72,7 @@ def main() -> None:
     shrink_config = sgmv.shrink_config(tokens, k, slices * rank, slices, x.device)  # as the op picks it: one GEMM
 
     def op(overlap=True):
-        return lora_linear_triton(x, w, None, a, b, scaling, ranks, *meta, ws, overlap=overlap, slice_widths=sliced)
+        return lora_linear_triton(x, w, None, [a, b, scaling, ranks], meta, ws, overlap=overlap, slice_widths=sliced)
 
     def expand(y=y):
         if bgmv.serves(tokens, rank, x.device):

@@ -1,4 +1,5 @@
-"""The exception types fxlora raises for bad input."""
+"""The exception types fxlora raises for bad input, and :class:`NotServed`, which stays inside:
+the adapters layer raises it and the passes catch it."""
 
 
 class AdapterError(ValueError):
@@ -12,3 +13,8 @@ class LoraNotRunError(RuntimeError):
     """A row asks for an adapter whose LoRA did not run on a module it targets: that part of
     the model ran outside the compiled graphs (a graph break, or Dynamo giving up on a frame),
     so the row would get the base model's output there."""
+
+
+class NotServed(Exception):
+    """A module (or set of modules) fxlora leaves to its base computation; the message says
+    why. The passes catch it and report the reason in ``explain()``; it never reaches users."""

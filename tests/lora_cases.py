@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from fxlora.ops import LoraWeights
 from fxlora.ops.batch_info import fast_token_segments, token_segments
 from fxlora.ops.lora_linear import sliced_delta_reference
 
@@ -34,7 +35,7 @@ def pool_factors(gen, slots, slices, max_rank, d_in, widths, ranks, dtype):
 def reference(y, x, a, b, scaling, rank, token_slot, widths):
     y = y.clone()
     starts = [sum(widths[:i]) for i in range(len(widths))]
-    sliced_delta_reference([y[:, c : c + w] for c, w in zip(starts, widths)], x, a, b, scaling, rank, token_slot)
+    sliced_delta_reference([y[:, c : c + w] for c, w in zip(starts, widths)], x, LoraWeights(a, b, scaling, rank), token_slot)
     return y
 
 

@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig
 
 import fxlora
-from fxlora.ops import batch_info, lora_embedding, lora_linear, lora_linear_fused
+from fxlora.ops import LoraWeights, batch_info, lora_embedding, lora_linear, lora_linear_fused
 from fxlora.ops.lora_linear import lora_delta_reference, lora_linear_triton, lora_workspace
 from fxlora.testing import assert_matches_peft, lora_module_names, make_adapter, tiny_model
 
@@ -55,7 +55,7 @@ def _case(tokens, d_in, d_out, slots, rank, dtype, seed=0):
 def _expected(x, w, a, b, scaling, ranks, slot_ids):
     token_slot = slot_ids.repeat_interleave(x.shape[0] // slot_ids.numel())
     y = torch.nn.functional.linear(x.double(), w.double())
-    lora_delta_reference(y, x.double(), a.double(), b.double(), scaling.double(), ranks, token_slot)
+    lora_delta_reference(y, x.double(), LoraWeights(a.double(), b.double(), scaling.double(), ranks), token_slot)
     return y
 
 
@@ -64,8 +64,7 @@ def _expected(x, w, a, b, scaling, ranks, slot_ids):
 def test_lora_linear_at_real_sizes(tokens, rank, dtype):
     x, w, a, b, scaling, ranks = _case(tokens, 4096, 4096, 8, rank, dtype)
     slot_ids = torch.randint(-1, 8, (tokens,), device="cuda", dtype=torch.int32)
-    meta = batch_info(slot_ids, x, 1, 8)
-    out = lora_linear(x, w, None, a, b, scaling, ranks, *meta, lora_workspace(x, a))
+    out = lora_linear(x, w, None, [a, b, scaling, ranks], batch_info(slot_ids, x, 1, 8), lora_workspace(x, a))
     ref = _expected(x, w, a, b, scaling, ranks, slot_ids)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype], err
@@ -80,7 +79,7 @@ def test_lora_linear_with_a_large_pool(tokens, slots, dtype):
     token long: a decode pattern at prefill size."""
     x, w, a, b, scaling, ranks = _case(tokens, 1024, 1024, slots, 16, dtype, seed=slots)
     slot_ids = torch.randint(-1, slots, (tokens,), device="cuda", dtype=torch.int32)
-    out = lora_linear(x, w, None, a, b, scaling, ranks, *batch_info(slot_ids, x, 1, slots), lora_workspace(x, a))
+    out = lora_linear(x, w, None, [a, b, scaling, ranks], batch_info(slot_ids, x, 1, slots), lora_workspace(x, a))
     ref = _expected(x, w, a, b, scaling, ranks, slot_ids)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype], err
@@ -112,18 +111,19 @@ def test_multi_slice_mixed_ranks_at_real_sizes(widths, members, tokens, dtype):
     meta = batch_info(slot_ids, x, 1, slots)
     workspace = torch.empty(tokens, slices * max_rank, device="cuda")
     if members:
-        outs = lora_linear_fused(x, list(w.split(widths)), [None] * slices, a, b, scaling, ranks, *meta, workspace)
+        outs = lora_linear_fused(x, list(w.split(widths)), [None] * slices, [a, b, scaling, ranks], meta, workspace)
         out = torch.cat(outs, -1)
     else:
-        out = lora_linear_triton(x, w, None, a, b, scaling, ranks, *meta, workspace, slice_widths=widths)
+        out = lora_linear_triton(x, w, None, [a, b, scaling, ranks], meta, workspace, slice_widths=widths)
     ref = torch.nn.functional.linear(x.double(), w.double())
     col = 0
     for i, width in enumerate(widths):
         part = ref[:, col : col + width]  # a view: the reference adds into ref
-        lora_delta_reference(
-            part, x.double(), a[:, i * max_rank : (i + 1) * max_rank].double(), b[:, col : col + width].double(),
-            scaling[i::slices].double(), ranks[i::slices].contiguous(), slot_ids,
+        factors = LoraWeights(
+            a[:, i * max_rank : (i + 1) * max_rank].double(), b[:, col : col + width].double(),
+            scaling[i::slices].double(), ranks[i::slices].contiguous(),
         )
+        lora_delta_reference(part, x.double(), factors, slot_ids)
         col += width
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype], err
@@ -136,16 +136,14 @@ def test_no_host_synchronisation(tokens):
     table = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
     ea, eb = torch.randn(4, 16, 100, device="cuda", dtype=torch.bfloat16), b[:, :256]
     slot_ids = torch.tensor([0, -1, 3, 1], dtype=torch.int32, device="cuda")
-    lora_linear(
-        x, w, None, a, b, scaling, ranks, *batch_info(slot_ids, x, 1, 4), lora_workspace(x, a)
-    )  # warm up: compile kernels
-    lora_embedding(ids, table, ea, eb.contiguous(), scaling, ranks, *batch_info(slot_ids, ids, 0, 4))
+    lora, embedding_lora = [a, b, scaling, ranks], [ea, eb.contiguous(), scaling, ranks]
+    lora_linear(x, w, None, lora, batch_info(slot_ids, x, 1, 4), lora_workspace(x, a))  # warm up: compile kernels
+    lora_embedding(ids, table, embedding_lora, batch_info(slot_ids, ids, 0, 4))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        meta = batch_info(slot_ids, x, 1, 4)
-        lora_linear(x, w, None, a, b, scaling, ranks, *meta, lora_workspace(x, a))
-        lora_embedding(ids, table, ea, eb.contiguous(), scaling, ranks, *batch_info(slot_ids, ids, 0, 4))
+        lora_linear(x, w, None, lora, batch_info(slot_ids, x, 1, 4), lora_workspace(x, a))
+        lora_embedding(ids, table, embedding_lora, batch_info(slot_ids, ids, 0, 4))
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -155,11 +153,12 @@ def test_cuda_graph_replay_with_new_assignments(rows, tokens_per_row):
     slots = 8
     x, w, a, b, scaling, ranks = _case(rows * tokens_per_row, 512, 768, slots, 16, torch.float32)
     slot_ids = torch.zeros(rows, dtype=torch.int32, device="cuda")
-    lora_linear(x, w, None, a, b, scaling, ranks, *batch_info(slot_ids, x, 1, slots), lora_workspace(x, a))
+    lora = [a, b, scaling, ranks]
+    lora_linear(x, w, None, lora, batch_info(slot_ids, x, 1, slots), lora_workspace(x, a))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = lora_linear(x, w, None, a, b, scaling, ranks, *batch_info(slot_ids, x, 1, slots), lora_workspace(x, a))
+        out = lora_linear(x, w, None, lora, batch_info(slot_ids, x, 1, slots), lora_workspace(x, a))
     gen = torch.Generator().manual_seed(0)
     assignments = [[-1] * rows, [5] * rows] + [
         torch.randint(-1, slots, (rows,), generator=gen).tolist() for _ in range(4)

@@ -47,7 +47,7 @@ def _routing(tokens, experts, top_k, gen, dtype):
 def _call(fn, x, idx, w, p, slot_ids, slots=4):
     token_slot = batch_info(slot_ids, x, 1, slots)[0]
     scratch = moe_workspace(idx, p["up_lora"][0]), moe_routing_workspace(idx)
-    return fn(x, idx, w, p["up"], None, p["down"], None, *p["up_lora"], *p["down_lora"], token_slot, *scratch, False, "glu", "silu", 0.0, 0.0)
+    return fn(x, idx, w, p["up"], None, p["down"], None, p["up_lora"], p["down_lora"], token_slot, *scratch, False, "glu", "silu", 0.0, 0.0)
 
 
 def _reference(x, idx, w, p, slot_ids):

@@ -29,7 +29,7 @@ def test_lora_embedding_matches_formula(rows, per_row, vocab, dim, max_rank, num
     scaling, rank = torch.rand(num_slots, generator=gen), torch.tensor(ranks, dtype=torch.int32)
     ids = torch.randint(0, vocab, (rows, per_row), generator=gen)
     meta = batch_info(torch.tensor(slots, dtype=torch.int32), ids, 0, num_slots)
-    out = lora_embedding(ids, weight, lora_a, lora_b, scaling, rank, *meta)
+    out = lora_embedding(ids, weight, [lora_a, lora_b, scaling, rank], meta)
     expected = F.embedding(ids, weight)
     for i, s in enumerate(slots):
         if s >= 0:
@@ -40,6 +40,7 @@ def test_lora_embedding_matches_formula(rows, per_row, vocab, dim, max_rank, num
 
 def test_lora_embedding_fake():
     ids = torch.tensor([[1, 2], [0, 3]])
-    meta = batch_info(torch.tensor([0, -1], dtype=torch.int32), ids, 0, 1)
-    args = (ids, torch.randn(4, 3), torch.randn(1, 2, 4), torch.randn(1, 3, 2), torch.ones(1), torch.tensor([2], dtype=torch.int32))
-    torch.library.opcheck(torch.ops.fxlora.lora_embedding.default, (*args, *meta), test_utils=("test_schema", "test_faketensor"))
+    meta = list(batch_info(torch.tensor([0, -1], dtype=torch.int32), ids, 0, 1))
+    lora = [torch.randn(1, 2, 4), torch.randn(1, 3, 2), torch.ones(1), torch.tensor([2], dtype=torch.int32)]
+    args = (ids, torch.randn(4, 3), lora, meta)
+    torch.library.opcheck(torch.ops.fxlora.lora_embedding.default, args, test_utils=("test_schema", "test_faketensor"))

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lora_cases import DEVICE
 
-from fxlora.ops import batch_info, lora_linear, lora_linear_fused
+from fxlora.ops import BatchInfo, LoraWeights, batch_info, lora_linear, lora_linear_fused
 from fxlora.ops.lora_linear import lora_workspace
 from fxlora.ops.triton import sgmv
 
@@ -27,6 +27,13 @@ def make_case(gen, tokens, d_in, d_out, max_rank, ranks, slots, dtype, bias=True
     b = r(d_out) if bias else None
     slot_ids = torch.tensor(slots, dtype=torch.int32)
     return x, w, b, lora_a, lora_b, scaling, rank, slot_ids
+
+
+def multi_slice(members: tuple[LoraWeights, ...]) -> LoraWeights:
+    """The members' factors in the multi-slice layout: rank rows and output rows stacked,
+    ``scaling`` and ``rank`` per (slot, member), slot-major."""
+    a, b, scaling, rank = zip(*members, strict=True)
+    return LoraWeights(torch.cat(a, 1), torch.cat(b, 1), torch.stack(scaling, 1).flatten(), torch.stack(rank, 1).flatten())
 
 
 def per_token(x, w, b, lora_a, lora_b, scaling, rank, token_slot):
@@ -56,11 +63,11 @@ def test_lora_linear_matches_formula(rows, per_row, d_in, d_out, max_rank, num_s
     x, w, b, a, bb, scaling, rank, slot_ids = make_case(
         gen, rows * per_row, d_in, d_out, max_rank, ranks, slots, dtype, bias
     )
-    meta = batch_info(slot_ids, x, 1, num_slots)
-    out = lora_linear(x, w, b, a, bb, scaling, rank, *meta, lora_workspace(x, a))
+    meta = BatchInfo(*batch_info(slot_ids, x, 1, num_slots))
+    out = lora_linear(x, w, b, [a, bb, scaling, rank], meta, lora_workspace(x, a))
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), per_token(x, w, b, a, bb, scaling, rank, meta[0]), **TOL[dtype])
-    base_rows = meta[0] < 0
+    torch.testing.assert_close(out.float(), per_token(x, w, b, a, bb, scaling, rank, meta.token_slot), **TOL[dtype])
+    base_rows = meta.token_slot < 0
     assert torch.equal(out[base_rows], F.linear(x, w, b)[base_rows])  # no-adapter rows: untouched
 
 
@@ -68,13 +75,9 @@ def test_lora_linear_keeps_leading_dims_and_fake():
     gen = torch.Generator().manual_seed(0)
     x, w, b, a, bb, scaling, rank, slot_ids = make_case(gen, 6, 5, 3, 2, [2, 1], [0, 1], torch.float32)
     x = x.view(2, 3, 5)
-    meta = batch_info(slot_ids, x, 1, 2)
-    assert lora_linear(x, w, b, a, bb, scaling, rank, *meta, lora_workspace(x, a)).shape == (2, 3, 3)
-    torch.library.opcheck(
-        torch.ops.fxlora.lora_linear.default,
-        (x, w, b, a, bb, scaling, rank, *meta, lora_workspace(x, a)),
-        test_utils=("test_schema", "test_faketensor"),
-    )
+    args = (x, w, b, [a, bb, scaling, rank], list(batch_info(slot_ids, x, 1, 2)), lora_workspace(x, a))
+    assert lora_linear(*args).shape == (2, 3, 3)
+    torch.library.opcheck(torch.ops.fxlora.lora_linear.default, args, test_utils=("test_schema", "test_faketensor"))
 
 
 @given(
@@ -99,25 +102,24 @@ def test_lora_linear_fused_matches_its_members_one_at_a_time(
         ranks = data.draw(st.lists(st.integers(0, max_rank), min_size=num_slots, max_size=num_slots))
         bias = data.draw(st.booleans())
         _, w, b, a, bb, scaling, rank, _ = make_case(gen, 1, d_in, width, max_rank, ranks, slots, dtype, bias)
-        members.append((w, b, a, bb, scaling, rank))
-    weights, biases, a, bb, scaling, rank = zip(*members, strict=True)
-    # the multi-slice layout: rank rows and output rows stacked, (slot, member) slot-major
-    joint = (torch.cat(a, 1), torch.cat(bb, 1), torch.stack(scaling, 1).flatten(), torch.stack(rank, 1).flatten())
-    meta = batch_info(slot_ids, x, 1, num_slots)
-    outs = lora_linear_fused(x, list(weights), list(biases), *joint, *meta, lora_workspace(x, joint[0]))
-    base_rows = meta[0] < 0
-    for out, m in zip(outs, members, strict=True):
-        torch.testing.assert_close(out, lora_linear(x, *m, *meta, lora_workspace(x, m[2])), **TOL[dtype])
+        members.append((w, b, LoraWeights(a, bb, scaling, rank)))
+    weights, biases, factors = zip(*members, strict=True)
+    joint = multi_slice(factors)
+    meta = BatchInfo(*batch_info(slot_ids, x, 1, num_slots))
+    outs = lora_linear_fused(x, list(weights), list(biases), joint, meta, lora_workspace(x, joint.lora_a))
+    base_rows = meta.token_slot < 0
+    for out, (w, b, f) in zip(outs, members, strict=True):
+        torch.testing.assert_close(out, lora_linear(x, w, b, f, meta, lora_workspace(x, f.lora_a)), **TOL[dtype])
         assert out.is_contiguous()
-        assert torch.equal(out[base_rows], F.linear(x, m[0], m[1])[base_rows])  # untouched: the member's own linear
+        assert torch.equal(out[base_rows], F.linear(x, w, b)[base_rows])  # untouched: the member's own linear
 
 
 def test_lora_linear_fused_keeps_leading_dims_and_fake():
     gen = torch.Generator().manual_seed(0)
     x, w, b, a, bb, scaling, rank, slot_ids = make_case(gen, 6, 5, 3, 2, [2, 1], [0, 1], torch.float32)
     x = x.view(2, 3, 5)
-    joint = (torch.cat([a, a], 1), torch.cat([bb, bb[:, :2]], 1), scaling.repeat_interleave(2), rank.repeat_interleave(2))
-    args = (x, [w, w[:2]], [b, None], *joint, *batch_info(slot_ids, x, 1, 2), lora_workspace(x, joint[0]))
+    joint = [torch.cat([a, a], 1), torch.cat([bb, bb[:, :2]], 1), scaling.repeat_interleave(2), rank.repeat_interleave(2)]
+    args = (x, [w, w[:2]], [b, None], joint, list(batch_info(slot_ids, x, 1, 2)), lora_workspace(x, joint[0]))
     assert [y.shape for y in lora_linear_fused(*args)] == [(2, 3, 3), (2, 3, 2)]
     torch.library.opcheck(torch.ops.fxlora.lora_linear_fused.default, args, test_utils=("test_schema", "test_faketensor"))
 
@@ -142,17 +144,18 @@ def test_triton_implementations_match_the_references(per_row, max_rank, rows, wi
     members = []
     for width in widths:
         ranks = data.draw(st.lists(st.integers(0, max_rank), min_size=num_slots, max_size=num_slots))
-        members.append(make_case(gen, 1, d_in, width, max_rank, ranks, slots, dtype)[1:7])
-    meta = batch_info(torch.tensor(slots, dtype=torch.int32), x, 1, num_slots)
-    weights, biases, a, bb, scaling, rank = zip(*members, strict=True)
-    joint = (torch.cat(a, 1), torch.cat(bb, 1), torch.stack(scaling, 1).flatten(), torch.stack(rank, 1).flatten())
-    fused = (x, list(weights), list(biases), *joint, *meta)
-    single = (x, *members[0], *meta)
-    expected = [lora_linear(*single, lora_workspace(x, members[0][2]))]  # on the host: the references
-    expected += lora_linear_fused(*fused, lora_workspace(x, joint[0]))
-    on = lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t  # noqa: E731
-    single, fused = [on(t) for t in single], [on(t) if not isinstance(t, list) else [on(u) for u in t] for t in fused]
-    got = [lora_linear_triton(*single, lora_workspace(single[0], single[3]), overlap=False)]
-    got += lora_linear_fused_triton(*fused, lora_workspace(fused[0], fused[3]), overlap=False)
+        _, w, b, a, bb, scaling, rank, _ = make_case(gen, 1, d_in, width, max_rank, ranks, slots, dtype)
+        members.append((w, b, LoraWeights(a, bb, scaling, rank)))
+    meta = BatchInfo(*batch_info(torch.tensor(slots, dtype=torch.int32), x, 1, num_slots))
+    weights, biases, factors = zip(*members, strict=True)
+    joint = multi_slice(factors)
+    w, b, f = members[0]
+    expected = [lora_linear(x, w, b, f, meta, lora_workspace(x, f.lora_a))]  # on the host: the references
+    expected += lora_linear_fused(x, list(weights), list(biases), joint, meta, lora_workspace(x, joint.lora_a))
+    on = lambda ts: [t.to(DEVICE) if t is not None else None for t in ts]  # noqa: E731
+    x, w, b = on((x, w, b))
+    f, joint, meta, weights, biases = on(f), on(joint), on(meta), on(weights), on(biases)
+    got = [lora_linear_triton(x, w, b, f, meta, lora_workspace(x, f[0]), overlap=False)]
+    got += lora_linear_fused_triton(x, weights, biases, joint, meta, lora_workspace(x, joint[0]), overlap=False)
     for out, ref in zip(got, expected, strict=True):
         torch.testing.assert_close(out.cpu(), ref, **TOL[dtype])

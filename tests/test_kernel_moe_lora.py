@@ -47,17 +47,16 @@ def make_case(gen, tokens, top_k, experts, hidden, inter, slots, max_rank, ranks
 def run(fn, case, slot_ids, slots, gate, transposed, lora_on):
     x, index, weights, up, up_b, down, down_b, up_lora, down_lora = case
     device_case = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (x, index, weights, up, up_b, down, down_b)]
-    lora = []
-    for on, factors in zip(lora_on, (up_lora, down_lora)):
-        lora += [t.to(DEVICE) for t in factors] if on else [None] * 4
+    lora = [[t.to(DEVICE) for t in factors] if on else [] for on, factors in zip(lora_on, (up_lora, down_lora))]
     token_slot = batch_info(slot_ids.to(DEVICE), device_case[0], 1, slots)[0]
     scratch = _scratch(device_case[1], lora)
     return fn(*device_case, *lora, token_slot, *scratch, transposed, gate, "silu", 1.702, 7.0)
 
 
 def _scratch(index, lora):
-    a = lora[0] if lora[0] is not None else lora[4]
-    return moe_workspace(index, a), moe_routing_workspace(index)
+    """The op's scratch, for the up and down bundles ``lora`` (an empty one: no LoRA there)."""
+    up, down = lora
+    return moe_workspace(index, (up or down)[0]), moe_routing_workspace(index)
 
 
 @settings(deadline=None)
@@ -95,9 +94,10 @@ def _reference(case, slot_ids, slots, gate, transposed, lora_on):
     """The op's CPU implementation, in float32."""
     x, index, weights, up, up_b, down, down_b, up_lora, down_lora = case
     f32 = [t.float() if isinstance(t, torch.Tensor) and t.dtype.is_floating_point else t for t in (x, index, weights, up, up_b, down, down_b)]
-    lora = []
-    for on, factors in zip(lora_on, (up_lora, down_lora)):
-        lora += [t.float() if t.dtype.is_floating_point else t for t in factors] if on else [None] * 4
+    lora = [
+        [t.float() if t.dtype.is_floating_point else t for t in factors] if on else []
+        for on, factors in zip(lora_on, (up_lora, down_lora))
+    ]
     token_slot = batch_info(slot_ids, f32[0], 1, slots)[0]
     return moe_lora(*f32, *lora, token_slot, *_scratch(f32[1], lora), transposed, gate, "silu", 1.702, 7.0)
 
@@ -114,3 +114,15 @@ def test_long_pair_lists_match_reference(mix):
     got = run(moe_lora_triton, case, slot_ids, slots, "glu", False, (True, True))
     want = _reference(case, slot_ids, slots, "glu", False, (True, True))
     torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[dtype])
+
+
+def test_absent_projection_is_an_empty_bundle():
+    """A projection without LoRA passes an empty bundle: the schema, the fake and the
+    reference agree on it."""
+    gen = torch.Generator().manual_seed(0)
+    case = make_case(gen, 5, 2, 3, 8, 4, 2, 2, [[2, 1], [1, 2]], "glu", False, False, torch.float32)
+    x, index, weights, up, up_b, down, down_b, _, down_lora = case
+    lora = [[], list(down_lora)]
+    token_slot = batch_info(torch.tensor([0, -1, 1, 0, 1], dtype=torch.int32), x, 1, 2)[0]
+    args = (x, index, weights, up, up_b, down, down_b, *lora, token_slot, *_scratch(index, lora), False, "glu", "silu", 0.0, 0.0)
+    torch.library.opcheck(torch.ops.fxlora.moe_lora.default, args, test_utils=("test_schema", "test_faketensor"))

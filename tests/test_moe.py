@@ -220,6 +220,20 @@ def test_quantised_base_is_named_in_explain():
     assert "quantised (fp8): quantisation hooks are out of scope" in cm.explain()
 
 
+def test_experts_the_op_cannot_serve_are_left_alone_and_reported():
+    torch._dynamo.reset()
+    model = _model("qwen3_moe")
+    owners = [n for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    model.get_submodule(owners[0]).is_concatenated = False  # interleaved halves without GPT-OSS's gate: no known layout
+    cm = fxlora.compile(model, _adapters(model, "qwen3_moe"), max_loras=2, max_rank=8)
+    ids = torch.randint(3, 96, (1, 4))
+    with torch.no_grad():
+        assert torch.equal(cm(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert f"skipped {owners[0]}: its gate (Qwen3MoeExperts._apply_gate) is not one fxlora::moe_lora knows" in cm.explain()
+    assert cm.backend.rewritten.get(f"{owners[1]}.down_proj") == "fxlora::moe_lora"
+    assert f"{owners[0]}.down_proj" not in cm.backend.rewritten
+
+
 def _merge_per_expert_by_hand(model, adapter, names):
     """The per-expert format's meaning, written out independently of fxlora: expert e's gate
     LoRA changes the gate rows of its fused gate_up_proj (the first half, or the even rows

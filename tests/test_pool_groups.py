@@ -5,6 +5,7 @@ import torch
 from peft import LoraConfig
 
 from fxlora.adapters import AdapterPool, PoolGroup, model_modules, read_adapter
+from fxlora.errors import NotServed
 from fxlora.testing import make_adapter, tiny_model
 
 QKV = tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
@@ -56,9 +57,12 @@ def test_join_refuses_what_cannot_be_joined(model_and_pool):
     _, pool = model_and_pool
     pool.targets["model.layers.1.self_attn.q_proj"].wired = True  # a graph reads it alone
     layer1 = tuple(f"model.layers.1.self_attn.{p}_proj" for p in "qkv")
-    assert "already served on its own" in pool.join(layer1)
+    with pytest.raises(NotServed, match="already served on its own"):
+        pool.join(layer1)
     assert isinstance(pool.join(QKV), PoolGroup)
-    assert "another group" in pool.join(QKV[:2])
+    with pytest.raises(NotServed, match="another group"):
+        pool.join(QKV[:2])
     mixed = ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj")  # different input widths
-    assert "input width" in pool.join(mixed)
+    with pytest.raises(NotServed, match="input width"):
+        pool.join(mixed)
     assert set(pool.groups) == {QKV}

@@ -30,7 +30,7 @@ from collections import defaultdict
 import torch
 
 from fxlora.adapters.peft_format import LoraAdapter, LoraFactors, unwrapped
-from fxlora.errors import AdapterError
+from fxlora.errors import AdapterError, NotServed
 
 UP_PARAMETERS = ("gate_up_proj", "up_proj")
 PER_EXPERT_NAMES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
@@ -49,13 +49,25 @@ def experts_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]
     return {up: getattr(module, up), "down_proj": module.down_proj}
 
 
-def layout(module: torch.nn.Module) -> dict | str:
-    """How ``fxlora::moe_lora`` computes these experts (``transposed``, ``gate``, ``act``,
-    ``alpha``, ``limit``), or why it cannot."""
+@dataclasses.dataclass(frozen=True)
+class ExpertsLayout:
+    """How ``fxlora::moe_lora`` computes an experts module: its layout scalars, named as the
+    op's schema names them (the ``lora_moe`` pass hands them over by name)."""
+
+    transposed: bool  # weights stored (E, in, out)
+    gate: str  # one of fxlora.ops.moe_lora.GATES
+    act: str  # a transformers activation name ("" for GPT-OSS's built-in gate)
+    alpha: float  # GPT-OSS's gate: sigmoid(alpha · gate)
+    limit: float  # GPT-OSS's gate: the clamp
+
+
+def layout(module: torch.nn.Module) -> ExpertsLayout:
+    """How ``fxlora::moe_lora`` computes these experts; raises :class:`NotServed` saying why
+    it cannot."""
     from transformers.integrations.moe import _default_apply_gate
 
     if getattr(module, "has_post_expert_norm", False):
-        return "a norm after each expert (has_post_expert_norm) is not supported"
+        raise NotServed("a norm after each expert (has_post_expert_norm) is not supported")
     alpha, limit = float(getattr(module, "alpha", 0.0)), float(getattr(module, "limit", 0.0))
     if not module.has_gate:
         gate = "act"
@@ -64,11 +76,11 @@ def layout(module: torch.nn.Module) -> dict | str:
     elif not module.is_concatenated and hasattr(module, "alpha") and hasattr(module, "limit"):
         gate = "glu_interleaved_clamped"  # GPT-OSS's clamped SwiGLU over interleaved gate/up columns
     else:
-        return f"its gate ({type(module).__name__}._apply_gate) is not one fxlora::moe_lora knows"
+        raise NotServed(f"its gate ({type(module).__name__}._apply_gate) is not one fxlora::moe_lora knows")
     act = getattr(getattr(module, "config", None), "hidden_act", None)  # what the class built act_fn from
     if act is None and gate != "glu_interleaved_clamped":
-        return "its config does not name its activation (hidden_act)"
-    return dict(transposed=bool(module.is_transposed), gate=gate, act=act or "", alpha=alpha, limit=limit)
+        raise NotServed("its config does not name its activation (hidden_act)")
+    return ExpertsLayout(transposed=bool(module.is_transposed), gate=gate, act=act or "", alpha=alpha, limit=limit)
 
 
 def in_out(module: torch.nn.Module, weight: torch.Tensor) -> tuple[int, int]:

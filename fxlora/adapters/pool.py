@@ -21,7 +21,7 @@ from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 
 from fxlora.adapters.peft_format import LoraAdapter
-from fxlora.errors import AdapterError
+from fxlora.errors import AdapterError, NotServed
 
 log = logging.getLogger(__name__)
 
@@ -241,22 +241,22 @@ class AdapterPool:
                     f"model's {tuple(info.weight.shape)}: replacing base weights is not supported"
                 )
 
-    def join(self, fqns: Sequence[str]) -> PoolGroup | str:
-        """The group of linear targets ``fqns`` (in this order), joined on first request; or,
-        when they cannot be, why not. A target that a graph already reads on its own, or that
-        belongs to another group, keeps its tensors."""
+    def join(self, fqns: Sequence[str]) -> PoolGroup:
+        """The group of linear targets ``fqns`` (in this order), joined on first request.
+        Raises :class:`NotServed`, saying why, when they cannot be: a target that a graph
+        already reads on its own, or that belongs to another group, keeps its tensors."""
         key = tuple(fqns)
         if key in self.groups:
             return self.groups[key]
         members = [self.targets[f] for f in key]
         for m in members:
             if m.wired:
-                return f"{m.fqn} is already served on its own by a compiled graph"
+                raise NotServed(f"{m.fqn} is already served on its own by a compiled graph")
             if any(m.fqn in g.fqns for g in self.groups.values()):
-                return f"{m.fqn} already belongs to another group"
+                raise NotServed(f"{m.fqn} already belongs to another group")
         shape = lambda info: (info.kind, info.in_features, info.dtype, info.device)  # noqa: E731
         if any(shape(m.info) != ("linear", *shape(members[0].info)[1:]) for m in members):
-            return "the modules differ in kind, input width, dtype or device"
+            raise NotServed("the modules differ in kind, input width, dtype or device")
         self.groups[key] = group = PoolGroup(members)
         return group
 

@@ -34,7 +34,8 @@ def slot_ids_placeholder(gm: fx.GraphModule) -> fx.Node:
 
 
 def batch_info_for(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, feature_dims: int) -> list[fx.Node]:
-    """Insert a prologue for ``tokens`` at the current insertion point; returns its outputs."""
+    """Insert a prologue for ``tokens`` at the current insertion point; returns its outputs,
+    a ``getitem`` each: the list a LoRA op takes as its ``batch`` bundle."""
     slot_ids = slot_ids_placeholder(gm)
     node = gm.graph.call_function(
         torch.ops.fxlora.batch_info.default, (slot_ids, tokens, feature_dims, ctx.pool.max_loras)

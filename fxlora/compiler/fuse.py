@@ -25,6 +25,7 @@ from fxlora.compiler.annotate import LINEAR
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.graph_edit import base_calls, call_arg, meta_shape, meta_value
 from fxlora.compiler.lora_linear import lora_operands
+from fxlora.errors import NotServed
 
 MAX_MEMBERS = 4  # the expands update at most four outputs (sgmv.MAX_SLICES); more make several groups
 
@@ -62,9 +63,10 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
     if any(a.op != "get_attr" for a in late):
         ctx.note(f"not fused {', '.join(fqns)}: a weight is computed after the call of {fqns[0]}")
         return []
-    group = ctx.pool.join(fqns)
-    if isinstance(group, str):
-        ctx.note(f"not fused {', '.join(fqns)}: {group}")
+    try:
+        group = ctx.pool.join(fqns)
+    except NotServed as why:
+        ctx.note(f"not fused {', '.join(fqns)}: {why}")
         return []
     for a in late:  # a parameter read: safe to read earlier
         first.prepend(a)

@@ -35,8 +35,9 @@ def base_calls(
 
 
 def pool_nodes(gm: fx.GraphModule, target: PoolTarget | PoolGroup) -> list[fx.Node]:
-    """``get_attr`` nodes for one target's (or group's) ``lora_a, lora_b, scaling, rank``; the
-    pool's own tensors become buffers of ``gm``, so in-place adapter loads reach the graph."""
+    """``get_attr`` nodes for one target's (or group's) ``lora_a, lora_b, scaling, rank``: the
+    list a LoRA op takes as its ``lora`` bundle. The pool's own tensors become buffers of
+    ``gm``, so in-place adapter loads reach the graph."""
     target.wired = True
     stem = "fxlora_" + re.sub(r"\W", "_", target.fqn)
     nodes = []

@@ -2,10 +2,10 @@
 
 Matches ``F.embedding`` / ``aten.embedding`` nodes of modules the pool targets as
 embeddings (``embed_tokens``) and replaces each with
-``fxlora::lora_embedding(ids, weight, lora_a, lora_b, scaling, rank, *batch_info)``. The delta
-joins the lookup inside the module, so a module that rescales its output (Gemma's scaled
-word embedding) rescales the delta too, as PEFT does. Calls with ``max_norm`` (which
-rewrites the weight) are left alone and reported.
+``fxlora::lora_embedding(ids, weight, lora, batch)`` (the pool buffers' bundle and the
+tokens' batch info bundle). The delta joins the lookup inside the module, so a module that
+rescales its output (Gemma's scaled word embedding) rescales the delta too, as PEFT does.
+Calls with ``max_norm`` (which rewrites the weight) are left alone and reported.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         ids, weight = embedding_args(node)
         with gm.graph.inserting_before(node):
-            args = (ids, weight, *pool_nodes(gm, target), *batch_info_for(gm, ctx, ids, feature_dims=0))
+            args = (ids, weight, pool_nodes(gm, target), batch_info_for(gm, ctx, ids, feature_dims=0))
         replace_with(gm, node, torch.ops.fxlora.lora_embedding.default, args)
         ctx.rewritten[fqn] = "fxlora::lora_embedding"
     gm.recompile()

@@ -2,8 +2,9 @@
 
 Matches ``torch._C._nn.linear`` / ``F.linear`` / ``aten.linear`` nodes that ``annotate``
 attributed to a module the adapter pool targets, and replaces each with
-``fxlora::lora_linear(x, weight, bias, lora_a, lora_b, scaling, rank, *batch_info, workspace)``,
-the workspace being a ``lora_workspace`` node of its own (so ``hoist`` can plan it). The
+``fxlora::lora_linear(x, weight, bias, lora, batch, workspace)``: ``lora`` the list of the
+target's pool buffers (``pool_nodes``), ``batch`` the list of its tokens' ``batch_info``
+outputs, the workspace a ``lora_workspace`` node of its own (so ``hoist`` can plan it). The
 ``torch.addmm(bias, x, weight)`` of transformers' ``Conv1D`` (GPT-2), whose weight is stored
 transposed, becomes the same op on ``weight.t()``. A module
 whose forward calls linear more than once, or whose weight shape differs from the pool's,
@@ -45,10 +46,12 @@ def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def lora_operands(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, factors: PoolTarget | PoolGroup) -> list[fx.Node]:
+def lora_operands(
+    gm: fx.GraphModule, ctx: PassContext, x: fx.Node, factors: PoolTarget | PoolGroup
+) -> tuple[list[fx.Node], list[fx.Node], fx.Node]:
     """What a linear LoRA op takes after its base operands, inserted at the current point:
-    the factors' pool buffers, the batch info of ``x``'s tokens and the shrink's workspace."""
-    pool = pool_nodes(gm, factors)
-    workspace = gm.graph.call_function(lora_workspace, (x, pool[0]))
+    the factors' bundle, the batch info bundle of ``x``'s tokens and the shrink's workspace."""
+    lora = pool_nodes(gm, factors)
+    workspace = gm.graph.call_function(lora_workspace, (x, lora[0]))
     fake_value(workspace, lambda xv: lora_workspace(xv, factors.lora_a), x)
-    return [*pool, *batch_info_for(gm, ctx, x, feature_dims=1), workspace]
+    return lora, batch_info_for(gm, ctx, x, feature_dims=1), workspace

@@ -7,12 +7,15 @@ must have one output; its inputs are the hidden states, the routing (``top_k_ind
 ``top_k_weights``) and the module's parameters, recognised by identity with the model's
 tensors. The op is inserted after the region and takes over its users, and the region's
 nodes, dead then, are erased (``nolora``, copied before this pass, keeps the region exactly
-as traced). The layout (transposed weights, the gate, the
-activation) is read from the experts class (:func:`fxlora.adapters.experts.layout`).
+as traced). Each projection's factors go in as one bundle (``pool_nodes``; an empty list for
+a projection no adapter targets). The layout (transposed weights, the gate, the activation)
+is read from the experts class (:func:`fxlora.adapters.experts.layout`) and handed to the
+op by name. A module whose layout or region the op cannot serve is left alone and reported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import torch
@@ -22,6 +25,7 @@ from fxlora.adapters import experts
 from fxlora.compiler.batch_info import batch_info_for
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.graph_edit import fake_value, meta_value, pool_nodes
+from fxlora.errors import NotServed
 from fxlora.ops.moe_lora import moe_routing_workspace, moe_workspace
 
 OP = "fxlora::moe_lora"
@@ -36,8 +40,12 @@ def lora_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     values = _input_values(gm, ctx)
     for owner, targets in groups.items():
         region = [n for n in gm.graph.nodes if n.op.startswith("call") and _inside(n.meta.get("fxlora_module"), owner)]
-        if region:
+        if not region:
+            continue
+        try:
             _rewrite(gm, ctx, owner, targets, region, values)
+        except NotServed as why:
+            ctx.note(f"skipped {owner}: {why}")
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -65,9 +73,6 @@ def _input_values(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, object]
 def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.Node], values) -> None:
     module = next(iter(targets.values())).info.owner
     layout = experts.layout(module)
-    if isinstance(layout, str):
-        ctx.note(f"skipped {owner}: {layout}")
-        return
     # size arithmetic (SymInts under dynamic shapes) computed from the region's inputs alone
     # stays in both variants: code after the region may reuse it
     inside, sizes = set(region), set()
@@ -78,20 +83,13 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
     inside = set(region)
     outputs = [n for n in region if any(u not in inside for u in n.users)]
     if len(outputs) != 1:
-        ctx.note(f"skipped {owner}: its traced region has {len(outputs)} outputs, not one")
-        return
-    matched = _match_inputs(region, module, values)
-    if isinstance(matched, str):
-        ctx.note(f"skipped {owner}: {matched}")
-        return
-    hidden, top_k_index, top_k_weights, found, up_name = matched
+        raise NotServed(f"its traced region has {len(outputs)} outputs, not one")
+    hidden, top_k_index, top_k_weights, found, up_name = _match_inputs(region, module, values)
     output = outputs[0]
     with gm.graph.inserting_before(output.next):
-        lora = []
-        for name in (up_name, "down_proj"):
-            lora += pool_nodes(gm, targets[name]) if name in targets else [None] * 4
+        up_lora, down_lora = (pool_nodes(gm, targets[n]) if n in targets else [] for n in (up_name, "down_proj"))
         token_slot = batch_info_for(gm, ctx, hidden, feature_dims=1)[0]
-        pool_a = next(a for a in (lora[0], lora[4]) if a is not None)
+        pool_a = (up_lora or down_lora)[0]
         a_value = next(t.lora_a for t in targets.values())
         workspace = gm.graph.call_function(moe_workspace, (top_k_index, pool_a))
         fake_value(workspace, lambda idx: moe_workspace(idx, a_value, device=idx.device), top_k_index)
@@ -100,10 +98,9 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         args = (
             hidden, top_k_index, top_k_weights,
             found["up"], found.get("up_bias"), found["down"], found.get("down_bias"),
-            *lora, token_slot, workspace, routing,
-            layout["transposed"], layout["gate"], layout["act"], layout["alpha"], layout["limit"],
+            up_lora, down_lora, token_slot, workspace, routing,
         )  # fmt: skip
-        op = gm.graph.call_function(torch.ops.fxlora.moe_lora.default, args)
+        op = gm.graph.call_function(torch.ops.fxlora.moe_lora.default, args, dataclasses.asdict(layout))
     op.meta.update({k: v for k, v in output.meta.items() if k in ("val", "example_value", "nn_module_stack")})
     op.meta["fxlora_module"] = owner
     output.replace_all_uses_with(op, delete_user_cb=lambda user: user is not op)
@@ -113,9 +110,11 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         ctx.rewritten[f"{owner}.{p}"] = OP
 
 
-def _match_inputs(region: list[fx.Node], module, values: dict):
+def _match_inputs(
+    region: list[fx.Node], module: torch.nn.Module, values: dict[fx.Node, object]
+) -> tuple[fx.Node, fx.Node, fx.Node, dict[str, fx.Node], str]:
     """``(hidden, top_k_index, top_k_weights, parameter nodes, up parameter name)`` of the
-    region, or why they cannot be told apart."""
+    region; raises :class:`NotServed` when they cannot be told apart."""
     inside = set(region)
     external = dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside)
     params = experts.experts_parameters(module)
@@ -127,13 +126,13 @@ def _match_inputs(region: list[fx.Node], module, values: dict):
     found = {k: by_tensor.get(id(v)) for k, v in wanted.items()}
     missing = [k for k, n in found.items() if n is None]
     if missing:
-        return f"the traced region does not read its parameters {missing} directly"
+        raise NotServed(f"the traced region does not read its parameters {missing} directly")
     data = [n for n in external if n not in found.values() and isinstance(meta_value(n), torch.Tensor)]
     index = [n for n in data if not meta_value(n).dtype.is_floating_point]
     floats = [n for n in data if meta_value(n).dtype.is_floating_point]
     fin = experts.in_out(module, wanted["up"])[0]
     hidden = [n for n in floats if meta_value(n).dim() == 2 and meta_value(n).shape[-1] == fin]
     if len(index) != 1 or len(hidden) != 1 or len(floats) != 2:
-        return "its traced region's inputs are not (hidden states, top-k index, top-k weights)"
+        raise NotServed("its traced region's inputs are not (hidden states, top-k index, top-k weights)")
     top_k_weights = next(n for n in floats if n is not hidden[0])
     return hidden[0], index[0], top_k_weights, found, up_name

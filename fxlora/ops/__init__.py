@@ -1,11 +1,21 @@
 """Custom ops (namespace ``fxlora::``), one file per op: each with a fake implementation for
 tracing, a PyTorch reference implementation (the oracle in tests) and, on CUDA, an
 implementation over the Triton kernels of :mod:`fxlora.ops.triton`. The bottom layer beside
-:mod:`fxlora.adapters`: nothing here imports the compiler, the runtime or the façade."""
+:mod:`fxlora.adapters`: nothing here imports the compiler, the runtime or the façade.
+
+Operands travel in bundles (:mod:`fxlora.ops.operands`): a target's factors as one
+``Tensor[]`` (:class:`LoraWeights`), its tokens' batch metadata as another
+(:class:`BatchInfo`), so every LoRA op's signature is its base operands, those two bundles
+and its scratch. Adding an op touches its file here (op, fake, reference, CUDA dispatch),
+its pass in :mod:`fxlora.compiler` (which builds the bundles with ``pool_nodes`` and
+``batch_info_for``), and one test on each side: ``tests/test_kernel_<op>.py`` against its
+reference, and a pass test on a graph.
+"""
 
 from fxlora.ops.batch_info import batch_info
 from fxlora.ops.lora_embedding import lora_embedding
 from fxlora.ops.lora_linear import lora_linear, lora_linear_fused
 from fxlora.ops.moe_lora import moe_lora
+from fxlora.ops.operands import BatchInfo, LoraWeights
 
-__all__ = ["batch_info", "lora_embedding", "lora_linear", "lora_linear_fused", "moe_lora"]
+__all__ = ["BatchInfo", "LoraWeights", "batch_info", "lora_embedding", "lora_linear", "lora_linear_fused", "moe_lora"]

@@ -14,19 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from fxlora.ops.batch_info import slot_groups
+from fxlora.ops.operands import BatchInfo, LoraWeights
 from fxlora.ops.triton import sgmv
 
 
 def lora_embedding_delta_reference(
-    y: torch.Tensor,
-    ids: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling: torch.Tensor,
-    rank: torch.Tensor,
-    token_slot: torch.Tensor,
+    y: torch.Tensor, ids: torch.Tensor, weights: LoraWeights, token_slot: torch.Tensor
 ) -> None:
     """Add the delta into ``y`` (``(T, dim)``) for flat ``ids`` (``(T,)``), one slot at a time."""
+    lora_a, lora_b, scaling, rank = weights
     for s, r, idx in slot_groups(token_slot, rank):
         after_a = F.embedding(ids.index_select(0, idx), lora_a[s, :r].T)
         delta = after_a @ lora_b[s, :, :r].T
@@ -35,32 +31,26 @@ def lora_embedding_delta_reference(
 
 @torch.library.custom_op("fxlora::lora_embedding", mutates_args=())
 def lora_embedding(
-    ids: torch.Tensor,
-    weight: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling: torch.Tensor,
-    rank: torch.Tensor,
-    token_slot: torch.Tensor,
-    sorted_tokens: torch.Tensor,
-    seg_start: torch.Tensor,
-    seg_len: torch.Tensor,
-    seg_slot: torch.Tensor,
+    ids: torch.Tensor, weight: torch.Tensor, lora: list[torch.Tensor], batch: list[torch.Tensor]
 ) -> torch.Tensor:
+    """``lora``: the factors (:class:`LoraWeights`, ``A`` as PEFT stores it, ``(S, R, vocab)``);
+    ``batch``: the tokens' metadata (:class:`BatchInfo`)."""
+    weights, info = LoraWeights(*lora), BatchInfo(*batch)
     y = F.embedding(ids, weight)
-    lora_embedding_delta_reference(
-        y.view(-1, y.shape[-1]), ids.reshape(-1), lora_a, lora_b, scaling, rank, token_slot
-    )
+    lora_embedding_delta_reference(y.view(-1, y.shape[-1]), ids.reshape(-1), weights, info.token_slot)
     return y
 
 
-def _lora_embedding_triton(ids, weight, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, seg_slot):
+def _lora_embedding_triton(
+    ids: torch.Tensor, weight: torch.Tensor, lora: list[torch.Tensor], batch: list[torch.Tensor]
+) -> torch.Tensor:
+    (lora_a, lora_b, scaling, rank), info = LoraWeights(*lora), BatchInfo(*batch)
     y = F.embedding(ids, weight)
     flat = ids.reshape(-1)
     # row t of v is A[slot_t, :, ids_t]; tokens without an adapter read slot 0 and are
     # skipped by the expand, which only visits the slots' segments
-    v = lora_a[token_slot.clamp(min=0).long(), :, flat].float()
-    sgmv.lora_expand(y.view(-1, y.shape[-1]), v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len, seg_slot)
+    v = lora_a[info.token_slot.clamp(min=0).long(), :, flat].float()
+    sgmv.lora_expand(y.view(-1, y.shape[-1]), v, lora_b, scaling, rank, *info.segments)
     return y
 
 
@@ -69,5 +59,5 @@ if sgmv is not None:
 
 
 @lora_embedding.register_fake
-def _(ids, weight, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, seg_slot):
+def _(ids, weight, lora, batch):
     return weight.new_empty((*ids.shape, weight.shape[1]))

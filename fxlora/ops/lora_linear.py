@@ -16,48 +16,37 @@ the kernels' multi-slice layout, so one shrink and one expand serve them all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from fxlora.ops.batch_info import slot_groups
+from fxlora.ops.operands import BatchInfo, LoraWeights
 from fxlora.ops.triton import bgmv, sgmv
 
 
-def lora_delta_reference(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling: torch.Tensor,
-    rank: torch.Tensor,
-    token_slot: torch.Tensor,
-) -> None:
+def lora_delta_reference(y: torch.Tensor, x: torch.Tensor, weights: LoraWeights, token_slot: torch.Tensor) -> None:
     """Add the LoRA delta into ``y`` (``(T, out)``) for ``x`` (``(T, in)``), one slot at a time,
     with the same operations and order as PEFT. Reads slot ids on the host."""
+    lora_a, lora_b, scaling, rank = weights
     for s, r, idx in slot_groups(token_slot, rank):
         xs = x.index_select(0, idx).to(lora_a.dtype)
         delta = (xs @ lora_a[s, :r].T) @ lora_b[s, :, :r].T
         y.index_add_(0, idx, (delta * scaling[s].to(delta.dtype)).to(y.dtype))
 
 
-def sliced_delta_reference(
-    ys: list[torch.Tensor],
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling: torch.Tensor,
-    rank: torch.Tensor,
-    token_slot: torch.Tensor,
-) -> None:
+def sliced_delta_reference(ys: list[torch.Tensor], x: torch.Tensor, weights: LoraWeights, token_slot: torch.Tensor) -> None:
     """:func:`lora_delta_reference` for each output slice ``ys[i]`` (``(T, width_i)``) of the
     multi-slice layout: rank rows ``i * max_rank ..`` of ``lora_a``, output rows
     ``sum(width_0 .. width_{i-1}) ..`` of ``lora_b``, entries ``s * len(ys) + i`` of ``scaling``
     and ``rank``."""
+    lora_a, lora_b, scaling, rank = weights
     n, max_rank, col = len(ys), lora_a.shape[1] // len(ys), 0
     for i, y in enumerate(ys):
         width = y.shape[-1]
         a, b = lora_a[:, i * max_rank : (i + 1) * max_rank], lora_b[:, col : col + width]
-        lora_delta_reference(y, x, a, b, scaling[i::n], rank[i::n], token_slot)
+        lora_delta_reference(y, x, LoraWeights(a, b, scaling[i::n], rank[i::n]), token_slot)
         col += width
 
 
@@ -68,48 +57,34 @@ def lora_workspace(x: torch.Tensor, lora_a: torch.Tensor, *, device: torch.devic
     return torch.empty((tokens, lora_a.shape[1]), dtype=torch.float32, device=device or x.device)
 
 
-
-
 @torch.library.custom_op("fxlora::lora_linear", mutates_args=("workspace",))
 def lora_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling: torch.Tensor,
-    rank: torch.Tensor,
-    token_slot: torch.Tensor,
-    sorted_tokens: torch.Tensor,
-    seg_start: torch.Tensor,
-    seg_len: torch.Tensor,
-    seg_slot: torch.Tensor,
+    lora: list[torch.Tensor],
+    batch: list[torch.Tensor],
     workspace: torch.Tensor,
 ) -> torch.Tensor:
-    """``workspace`` (from :func:`lora_workspace`) is scratch the CUDA kernel writes the
-    shrink result into."""
+    """``lora``: the factors (:class:`LoraWeights`); ``batch``: the tokens' metadata
+    (:class:`BatchInfo`); ``workspace`` (from :func:`lora_workspace`) is scratch the CUDA
+    kernel writes the shrink result into."""
+    weights, info = LoraWeights(*lora), BatchInfo(*batch)
     y = F.linear(x, weight, bias)
-    lora_delta_reference(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, token_slot)
+    lora_delta_reference(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), weights, info.token_slot)
     return y
 
 
 def lora_linear_triton(
-    x,
-    weight,
-    bias,
-    lora_a,
-    lora_b,
-    scaling,
-    rank,
-    token_slot,
-    sorted_tokens,
-    seg_start,
-    seg_len,
-    seg_slot,
-    workspace,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora: list[torch.Tensor],
+    batch: list[torch.Tensor],
+    workspace: torch.Tensor,
     overlap: bool = True,
     slice_widths: tuple[int, ...] | None = None,
-):
+) -> torch.Tensor:
     """The CUDA implementation: the SGMV kernels of :mod:`fxlora.ops.triton.sgmv`, with the
     per-token expand of :mod:`fxlora.ops.triton.bgmv` for few tokens (``bgmv.serves``). With
     ``overlap`` the shrink (which reads only ``x``) runs on a side stream beside the base GEMM;
@@ -117,28 +92,31 @@ def lora_linear_triton(
     shrink's time hides behind the GEMM. ``slice_widths``: several output slices sharing one
     input, each with its own factors (the kernels' multi-slice layout)."""
     base = lambda: F.linear(x, weight, bias)  # noqa: E731
-    meta = (token_slot, sorted_tokens, seg_start, seg_len, seg_slot)
-    return _with_lora_delta(x, base, lora_a, lora_b, scaling, rank, *meta, workspace, overlap, slice_widths, one_gemm=True)
+    weights, info = LoraWeights(*lora), BatchInfo(*batch)
+    return _with_lora_delta(x, base, weights, info, workspace, overlap, slice_widths, one_gemm=True)
 
 
 def _with_lora_delta(
-    x, base, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, seg_slot, workspace, overlap,
-    slice_widths, one_gemm,
-):  # fmt: skip
+    x: torch.Tensor,
+    base: Callable[[], torch.Tensor | list[torch.Tensor]],
+    weights: LoraWeights,
+    info: BatchInfo,
+    workspace: torch.Tensor,
+    overlap: bool,
+    slice_widths: tuple[int, ...] | None,
+    one_gemm: bool,
+) -> torch.Tensor | list[torch.Tensor]:
     """``base()`` (the GEMM: one output, or one per slice) with the LoRA delta added in place
     into its output(s); ``one_gemm``: whether ``base`` is one GEMM launch for all slices."""
+    lora_a, lora_b, scaling, rank = weights
     x2 = x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
     slices = len(slice_widths or (None,))
     config = sgmv.shrink_config(x2.shape[0], x2.shape[1], lora_a.shape[1], slices if one_gemm else 1, x.device)
-    shrink = lambda: sgmv.lora_shrink(  # noqa: E731
-        x2, lora_a, rank, sorted_tokens, seg_start, seg_len, seg_slot, slices, config, out=workspace
-    )
+    shrink = lambda: sgmv.lora_shrink(x2, lora_a, rank, *info.segments, slices, config, out=workspace)  # noqa: E731
     if bgmv.serves(x2.shape[0], lora_b.shape[-1], x.device):
-        expand = lambda y, v: bgmv.lora_expand(y, v, lora_b, scaling, rank, token_slot, slice_widths)  # noqa: E731
+        expand = lambda y, v: bgmv.lora_expand(y, v, lora_b, scaling, rank, info.token_slot, slice_widths)  # noqa: E731
     else:
-        expand = lambda y, v: sgmv.lora_expand(  # noqa: E731
-            y, v, lora_b, scaling, rank, sorted_tokens, seg_start, seg_len, seg_slot, slice_widths
-        )
+        expand = lambda y, v: sgmv.lora_expand(y, v, lora_b, scaling, rank, *info.segments, slice_widths)  # noqa: E731
     if overlap:  # the GEMM is issued first, the shrink forked from the point before it
         main, side = torch.cuda.current_stream(), _side_stream(x.device)
         inputs_ready = torch.cuda.Event()
@@ -171,35 +149,34 @@ def lora_linear_fused(
     x: torch.Tensor,
     weights: list[torch.Tensor],
     biases: list[torch.Tensor | None],
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling: torch.Tensor,
-    rank: torch.Tensor,
-    token_slot: torch.Tensor,
-    sorted_tokens: torch.Tensor,
-    seg_start: torch.Tensor,
-    seg_len: torch.Tensor,
-    seg_slot: torch.Tensor,
+    lora: list[torch.Tensor],
+    batch: list[torch.Tensor],
     workspace: torch.Tensor,
 ) -> list[torch.Tensor]:
-    """``[lora_linear(x, weights[i], biases[i], <member i's factors>) ...]``: each member's own
-    ``F.linear``, its factors a slice of the multi-slice layout (:func:`sliced_delta_reference`)."""
+    """``[lora_linear(x, weights[i], biases[i], <member i's factors>, batch) ...]``: each
+    member's own ``F.linear``, its factors a slice of the multi-slice layout
+    (:func:`sliced_delta_reference`)."""
     ys = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
     rows = [y.view(-1, y.shape[-1]) for y in ys]
-    sliced_delta_reference(rows, x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, token_slot)
+    sliced_delta_reference(rows, x.reshape(-1, x.shape[-1]), LoraWeights(*lora), BatchInfo(*batch).token_slot)
     return ys
 
 
 def lora_linear_fused_triton(
-    x, weights, biases, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, seg_slot, workspace,
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    lora: list[torch.Tensor],
+    batch: list[torch.Tensor],
+    workspace: torch.Tensor,
     overlap: bool = True,
-):  # fmt: skip
+) -> list[torch.Tensor]:
     """Every member's GEMM, then one shrink and one expand that update all their outputs
     (``overlap`` as in :func:`lora_linear_triton`)."""
     base = lambda: [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # noqa: E731
     widths = tuple(w.shape[0] for w in weights)
-    meta = (token_slot, sorted_tokens, seg_start, seg_len, seg_slot)
-    return _with_lora_delta(x, base, lora_a, lora_b, scaling, rank, *meta, workspace, overlap, widths, one_gemm=False)
+    factors, info = LoraWeights(*lora), BatchInfo(*batch)
+    return _with_lora_delta(x, base, factors, info, workspace, overlap, widths, one_gemm=False)
 
 
 if sgmv is not None:
@@ -208,10 +185,10 @@ if sgmv is not None:
 
 
 @lora_linear.register_fake
-def _(x, weight, bias, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, seg_slot, workspace):
+def _(x, weight, bias, lora, batch, workspace):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
 @lora_linear_fused.register_fake
-def _(x, weights, biases, lora_a, lora_b, scaling, rank, token_slot, sorted_tokens, seg_start, seg_len, seg_slot, workspace):
+def _(x, weights, biases, lora, batch, workspace):
     return [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.promote_types(x.dtype, w.dtype)) for w in weights]

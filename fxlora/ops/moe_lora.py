@@ -10,9 +10,10 @@ For token ``t`` of slot ``s`` routed to experts ``e = top_k_index[t, j]`` with w
     y[t] = Σ_j w · o
 
 ``W_up`` is the experts' ``gate_up_proj`` (or ``up_proj`` when the experts have no gate),
-stored ``(E, out, in)``, or ``(E, in, out)`` when ``transposed``. The LoRA pools are
-``A (slots, E, max_rank, in)``, ``B (slots, E, out, max_rank)``, ``scaling`` and ``rank`` per
-slot; a parameter without LoRA passes ``None``. ``token_slot`` is each token's slot
+stored ``(E, out, in)``, or ``(E, in, out)`` when ``transposed``. Each projection's LoRA
+pool comes as one bundle (:class:`fxlora.ops.operands.LoraWeights`): ``A (slots, E, max_rank,
+in)``, ``B (slots, E, out, max_rank)``, ``scaling`` and ``rank`` per slot; a parameter without
+LoRA passes an empty one. ``token_slot`` is each token's slot
 (``fxlora::batch_info``'s first output); the op groups the token–expert pairs itself.
 ``gate`` names how the up projection becomes the down projection's input:
 
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from fxlora.ops.batch_info import fast_token_segments, slot_groups
+from fxlora.ops.operands import BatchInfo, LoraWeights, optional_weights
 from fxlora.ops.triton import sgmv
 
 GATES = ("glu", "glu_interleaved_clamped", "act")
@@ -66,7 +68,7 @@ def _expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y if bias is None else y + bias
 
 
-def _add_lora(y, x, lora, expert: int, slots: torch.Tensor) -> None:
+def _add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoraWeights | None, expert: int, slots: torch.Tensor) -> None:
     """``y[i] += scaling[s] · (x[i] @ A[s, e]ᵀ) @ B[s, e]ᵀ`` for the rows ``i`` of each slot ``s``."""
     if lora is None:
         return
@@ -97,14 +99,8 @@ def moe_lora(
     up_bias: torch.Tensor | None,
     down_weight: torch.Tensor,
     down_bias: torch.Tensor | None,
-    up_lora_a: torch.Tensor | None,
-    up_lora_b: torch.Tensor | None,
-    up_scaling: torch.Tensor | None,
-    up_rank: torch.Tensor | None,
-    down_lora_a: torch.Tensor | None,
-    down_lora_b: torch.Tensor | None,
-    down_scaling: torch.Tensor | None,
-    down_rank: torch.Tensor | None,
+    up_lora: list[torch.Tensor],
+    down_lora: list[torch.Tensor],
     token_slot: torch.Tensor,
     workspace: torch.Tensor,
     routing: torch.Tensor,
@@ -114,8 +110,7 @@ def moe_lora(
     alpha: float,
     limit: float,
 ) -> torch.Tensor:
-    up_lora = None if up_lora_a is None else (up_lora_a, up_lora_b, up_scaling, up_rank)
-    down_lora = None if down_lora_a is None else (down_lora_a, down_lora_b, down_scaling, down_rank)
+    up, down = optional_weights(up_lora), optional_weights(down_lora)
     tokens, top_k = top_k_index.shape
     weighted = hidden.new_zeros(tokens, top_k, hidden.shape[-1])
     for e in torch.unique(top_k_index).tolist():
@@ -123,19 +118,34 @@ def moe_lora(
         slots = token_slot[token]
         x = hidden[token]
         h = _expert_linear(x, up_weight[e], None if up_bias is None else up_bias[e], transposed)
-        _add_lora(h, x, up_lora, e, slots)
+        _add_lora(h, x, up, e, slots)
         g = apply_gate(h, gate, act, alpha, limit)
         o = _expert_linear(g, down_weight[e], None if down_bias is None else down_bias[e], transposed)
-        _add_lora(o, g, down_lora, e, slots)
+        _add_lora(o, g, down, e, slots)
         weighted[token, j] = o * top_k_weights[token, j, None].to(o.dtype)
     return weighted.sum(dim=1).to(hidden.dtype)
 
 
 def moe_lora_triton(
-    hidden, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias,
-    up_lora_a, up_lora_b, up_scaling, up_rank, down_lora_a, down_lora_b, down_scaling, down_rank,
-    token_slot, workspace, routing, transposed, gate, act, alpha, limit,
-):  # fmt: skip
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    up_weight: torch.Tensor,
+    up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    up_lora: list[torch.Tensor],
+    down_lora: list[torch.Tensor],
+    token_slot: torch.Tensor,
+    workspace: torch.Tensor,
+    routing: torch.Tensor,
+    transposed: bool,
+    gate: str,
+    act: str,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    up, down = optional_weights(up_lora), optional_weights(down_lora)
     tokens, top_k = top_k_index.shape
     experts = up_weight.shape[0]
     expert_ids = top_k_index.reshape(-1)
@@ -149,14 +159,14 @@ def moe_lora_triton(
     # LoRA segments: pair -> slot * E + expert, or -1 for rows without an adapter
     pair_slot = token_slot.index_select(0, pair_token).long()
     torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, pair_slot, out=pool_id)  # -1 stays -1
-    slots = up_lora_a.shape[0] if up_lora_a is not None else down_lora_a.shape[0]
-    pairs = fast_token_segments(pool_id, 1, slots * experts)[1:]  # at most one segment per pair
+    slots = (up or down).lora_a.shape[0]
+    pairs = BatchInfo(*fast_token_segments(pool_id, 1, slots * experts))  # at most one segment per pair
 
     h = _grouped_linear(x, up_weight, offsets, up_bias, pair_expert, transposed)
-    _add_lora_segments(h, x, up_lora_a, up_lora_b, up_scaling, up_rank, pairs, experts, workspace[0])
+    _add_lora_segments(h, x, up, pairs, experts, workspace[0])
     g = apply_gate(h, gate, act, alpha, limit)
     o = _grouped_linear(g, down_weight, offsets, down_bias, pair_expert, transposed)
-    _add_lora_segments(o, g, down_lora_a, down_lora_b, down_scaling, down_rank, pairs, experts, workspace[1])
+    _add_lora_segments(o, g, down, pairs, experts, workspace[1])
     o = o * top_k_weights.reshape(-1)[order, None].to(o.dtype)
     weighted = torch.empty_like(o).index_copy_(0, order, o)  # back to (token, k) order
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
@@ -176,17 +186,21 @@ def _grouped_linear(x, weight, offsets, bias, pair_expert, transposed: bool):
     return y if bias is None else y + bias[pair_expert]
 
 
-def _add_lora_segments(y, x, lora_a, lora_b, scaling, rank, pairs, experts: int, out: torch.Tensor) -> None:
-    """``y += scaling · (x @ A[s, e]ᵀ) @ B[s, e]ᵀ`` per pair, the pool read as ``slots · E`` adapters."""
-    if lora_a is None:
+def _add_lora_segments(
+    y: torch.Tensor, x: torch.Tensor, lora: LoraWeights | None, pairs: BatchInfo, experts: int, out: torch.Tensor
+) -> None:
+    """``y += scaling · (x @ A[s, e]ᵀ) @ B[s, e]ᵀ`` per pair, the pool read as ``slots · E`` adapters
+    (``pairs``: the pairs' segments, as ``fxlora::batch_info``'s for tokens)."""
+    if lora is None:
         return
+    lora_a, lora_b, scaling, rank = lora
     slots, _, max_rank, fin = lora_a.shape
     per_pair_rank = rank.repeat_interleave(experts)
     per_pair_scaling = scaling.repeat_interleave(experts)
     a = lora_a.view(slots * experts, max_rank, fin)
-    v = sgmv.lora_shrink(x.contiguous(), a, per_pair_rank, *pairs, out=out)
+    v = sgmv.lora_shrink(x.contiguous(), a, per_pair_rank, *pairs.segments, out=out)
     b = lora_b.view(slots * experts, lora_b.shape[2], max_rank)
-    sgmv.lora_expand(y, v, b, per_pair_scaling, per_pair_rank, *pairs)
+    sgmv.lora_expand(y, v, b, per_pair_scaling, per_pair_rank, *pairs.segments)
 
 
 if sgmv is not None:
