@@ -85,9 +85,8 @@ def classify(e: BaseException) -> str:
 
 
 def _linear_names(model: Any) -> list[str]:
-    from transformers.pytorch_utils import Conv1D
-
     import torch
+    from transformers.pytorch_utils import Conv1D
 
     return [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
 
