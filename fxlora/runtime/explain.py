@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from fxlora.adapters import AdapterPool
@@ -43,7 +44,7 @@ class GraphRecord:
     def of(cls, index: int, role: str, variants: Variants, notes: Iterable[str]) -> GraphRecord:
         lora_nodes = list(variants.lora.graph.nodes) if variants.lora is not None else []
         ops = Counter(n.target.name().removeprefix("fxlora::") for n in lora_nodes if n.target in LORA_OPS)
-        prologues = sum(1 for n in lora_nodes if getattr(n.target, "name", None) and n.target.name() == "fxlora::batch_info")
+        prologues = sum(1 for n in lora_nodes if n.target is torch.ops.fxlora.batch_info.default)
         hoists = {v: _hoisted(g) for v, g in (("lora", variants.lora), ("nolora", variants.nolora)) if g is not None}
         return cls(index, role, ops, prologues, hoists, list(notes))
 

@@ -37,7 +37,7 @@ class Selection:
 
     ``names`` (one per row, ``None`` for the base model) are resolved once per pool: the
     slots are pinned (an adapter unloaded meanwhile keeps its weights until :meth:`release`)
-    and the modules the adapters change are noted. ``fixed`` slot ids (or ``fixed_nolora``)
+    and the modules the adapters change are noted. ``fixed`` slot ids
     serve every graph as they are. ``pools`` and ``modules`` record the pools the graphs
     read and the modules whose LoRA ran. Code Dynamo does not compile (a graph break, a
     frame it gave up on) runs the plain model; this is how a caller notices, instead of
@@ -45,7 +45,6 @@ class Selection:
 
     names: tuple[str | None, ...] | None = None
     fixed: torch.Tensor | None = None
-    fixed_nolora: bool = False
     pools: dict[int, AdapterPool] = field(default_factory=dict)
     modules: set[str] = field(default_factory=set)
     _held: dict[int, tuple[list[int], set[str]]] = field(default_factory=dict)  # pool -> (slots, needed)
@@ -54,7 +53,7 @@ class Selection:
     def slot_ids(self, pool: AdapterPool, device: torch.device) -> torch.Tensor | None:
         """Per-row int32 slot ids on ``device``, or None when no row has an adapter."""
         self.pools[id(pool)] = pool
-        if self.fixed is not None or self.fixed_nolora:
+        if self.fixed is not None:
             return self.fixed
         if not self.uses_adapters:
             return None
@@ -145,7 +144,7 @@ def check_names(adapter_names: Sequence[str | None] | None) -> tuple[str | None,
 def use_slots(slot_ids: torch.Tensor | None) -> Iterator[Selection]:
     """Calls made inside run ``lora`` with these per-row slot ids (int32, on the graphs'
     device, :data:`NO_ADAPTER` for no adapter), or ``nolora`` when ``slot_ids`` is None."""
-    with selecting(Selection(fixed=slot_ids, fixed_nolora=slot_ids is None)) as selection:
+    with selecting(Selection(fixed=slot_ids)) as selection:
         yield selection
 
 
