@@ -217,6 +217,7 @@ def compile(
     max_len: int = 512,
     batch_buckets: Sequence[int] | None = None,
     cuda_graphs: bool | None = None,
+    inner: str | None = None,
 ) -> CompiledModel:
     """Compile ``model`` to serve mixed batches of LoRA adapters.
 
@@ -232,6 +233,10 @@ def compile(
     (prompt and new tokens) from a static KV cache; its decode steps replay CUDA graphs
     captured per ``batch_buckets`` (default: powers of two up to ``max_batch_size``) when
     ``cuda_graphs`` (default: on CUDA).
+
+    ``inner`` is the compiler of the rewritten graphs: ``"inductor"`` (the default on CUDA)
+    fuses the base model's small operations around the LoRA ops; ``"eager"`` (the default
+    elsewhere) runs the FX graphs as they are, the base model op for op.
     """
     if adapters is not None and not isinstance(adapters, Mapping):
         raise TypeError(f"adapters must map adapter names to sources, got {type(adapters).__name__}")
@@ -261,7 +266,7 @@ def compile(
         # Switched after every check, so that a compile that fails leaves the model as it was.
         model.set_experts_implementation("grouped_mm")
         log.info("experts switched to the traceable grouped_mm implementation")
-    backend = Backend(pool, modules=ModuleTree(model))
+    backend = Backend(pool, modules=ModuleTree(model), inner=inner)
     quantization = getattr(config, "quantization_config", None) or getattr(model, "hf_quantizer", None)
     if quantization is not None:
         fields = quantization if isinstance(quantization, dict) else vars(quantization)

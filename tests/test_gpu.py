@@ -111,7 +111,7 @@ def test_multi_slice_mixed_ranks_at_real_sizes(widths, members, tokens, dtype):
     meta = batch_info(slot_ids, x, 1, slots)
     workspace = torch.empty(tokens, slices * max_rank, device="cuda")
     if members:
-        outs = lora_linear_fused(x, list(w.split(widths)), [None] * slices, [a, b, scaling, ranks], meta, workspace)
+        outs = lora_linear_fused(x, list(w.split(widths)), [None] * slices, [a, b, scaling, ranks], meta)
         out = torch.cat(outs, -1)
     else:
         out = lora_linear_triton(x, w, None, [a, b, scaling, ranks], meta, workspace, slice_widths=widths)

@@ -106,7 +106,7 @@ def test_lora_linear_fused_matches_its_members_one_at_a_time(
     weights, biases, factors = zip(*members, strict=True)
     joint = multi_slice(factors)
     meta = BatchInfo(*batch_info(slot_ids, x, 1, num_slots))
-    outs = lora_linear_fused(x, list(weights), list(biases), joint, meta, lora_workspace(x, joint.lora_a))
+    outs = lora_linear_fused(x, list(weights), list(biases), joint, meta)
     base_rows = meta.token_slot < 0
     for out, (w, b, f) in zip(outs, members, strict=True):
         torch.testing.assert_close(out, lora_linear(x, w, b, f, meta, lora_workspace(x, f.lora_a)), **TOL[dtype])
@@ -119,7 +119,7 @@ def test_lora_linear_fused_keeps_leading_dims_and_fake():
     x, w, b, a, bb, scaling, rank, slot_ids = make_case(gen, 6, 5, 3, 2, [2, 1], [0, 1], torch.float32)
     x = x.view(2, 3, 5)
     joint = [torch.cat([a, a], 1), torch.cat([bb, bb[:, :2]], 1), scaling.repeat_interleave(2), rank.repeat_interleave(2)]
-    args = (x, [w, w[:2]], [b, None], joint, list(batch_info(slot_ids, x, 1, 2)), lora_workspace(x, joint[0]))
+    args = (x, [w, w[:2]], [b, None], joint, list(batch_info(slot_ids, x, 1, 2)))
     assert [y.shape for y in lora_linear_fused(*args)] == [(2, 3, 3), (2, 3, 2)]
     torch.library.opcheck(torch.ops.fxlora.lora_linear_fused.default, args, test_utils=("test_schema", "test_faketensor"))
 
@@ -151,11 +151,11 @@ def test_triton_implementations_match_the_references(per_row, max_rank, rows, wi
     joint = multi_slice(factors)
     w, b, f = members[0]
     expected = [lora_linear(x, w, b, f, meta, lora_workspace(x, f.lora_a))]  # on the host: the references
-    expected += lora_linear_fused(x, list(weights), list(biases), joint, meta, lora_workspace(x, joint.lora_a))
+    expected += lora_linear_fused(x, list(weights), list(biases), joint, meta)
     on = lambda ts: [t.to(DEVICE) if t is not None else None for t in ts]  # noqa: E731
     x, w, b = on((x, w, b))
     f, joint, meta, weights, biases = on(f), on(joint), on(meta), on(weights), on(biases)
     got = [lora_linear_triton(x, w, b, f, meta, lora_workspace(x, f[0]), overlap=False)]
-    got += lora_linear_fused_triton(x, weights, biases, joint, meta, lora_workspace(x, joint[0]), overlap=False)
+    got += lora_linear_fused_triton(x, weights, biases, joint, meta, overlap=False)
     for out, ref in zip(got, expected, strict=True):
         torch.testing.assert_close(out.cpu(), ref, **TOL[dtype])

@@ -16,13 +16,15 @@ import torch
 import torch.fx as fx
 
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import meta_shape
+from fxlora.compiler.graph_edit import fake_value, meta_shape
 
 SLOT_IDS = "fxlora_slot_ids"
 _LAYOUT = "fxlora_layout"
 
 
-def slot_ids_placeholder(gm: fx.GraphModule) -> fx.Node:
+def slot_ids_placeholder(gm: fx.GraphModule, tokens: fx.Node) -> fx.Node:
+    """The graph's slot-ids input, made on first use with the traced value of one id per
+    row of ``tokens`` (an inner compiler traces the graph again from these values)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n in placeholders:
         if n.target == SLOT_IDS:
@@ -30,13 +32,14 @@ def slot_ids_placeholder(gm: fx.GraphModule) -> fx.Node:
     where = gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before(None)
     with where:
         node = gm.graph.placeholder(SLOT_IDS)
+    fake_value(node, lambda t: torch.empty(t.shape[0], dtype=torch.int32, device=t.device), tokens)
     return node
 
 
 def batch_info_for(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, feature_dims: int) -> list[fx.Node]:
     """Insert a prologue for ``tokens`` at the current insertion point; returns its outputs,
     a ``getitem`` each: the list a LoRA op takes as its ``batch`` bundle."""
-    slot_ids = slot_ids_placeholder(gm)
+    slot_ids = slot_ids_placeholder(gm, tokens)
     node = gm.graph.call_function(
         torch.ops.fxlora.batch_info.default, (slot_ids, tokens, feature_dims, ctx.pool.max_loras)
     )

@@ -72,9 +72,8 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
         first.prepend(a)
     graph = gm.graph
     with graph.inserting_before(first):
-        fused = graph.call_function(
-            torch.ops.fxlora.lora_linear_fused.default, (x, weights, biases, *lora_operands(gm, ctx, x, group))
-        )
+        lora, batch, _ = lora_operands(gm, ctx, x, group, workspace=False)
+        fused = graph.call_function(torch.ops.fxlora.lora_linear_fused.default, (x, weights, biases, lora, batch))
         fused.meta["fxlora_module"] = os.path.commonprefix([f + "." for f in fqns]).rpartition(".")[0]
         fused.meta["example_value"] = [meta_value(n) for _, n in members]
         parts = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(members))]

@@ -47,11 +47,14 @@ def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def lora_operands(
-    gm: fx.GraphModule, ctx: PassContext, x: fx.Node, factors: PoolTarget | PoolGroup
-) -> tuple[list[fx.Node], list[fx.Node], fx.Node]:
+    gm: fx.GraphModule, ctx: PassContext, x: fx.Node, factors: PoolTarget | PoolGroup, workspace: bool = True
+) -> tuple[list[fx.Node], list[fx.Node], fx.Node | None]:
     """What a linear LoRA op takes after its base operands, inserted at the current point:
-    the factors' bundle, the batch info bundle of ``x``'s tokens and the shrink's workspace."""
+    the factors' bundle, the batch info bundle of ``x``'s tokens and (``workspace``) the
+    shrink's workspace."""
     lora = pool_nodes(gm, factors)
-    workspace = gm.graph.call_function(lora_workspace, (x, lora[0]))
-    fake_value(workspace, lambda xv: lora_workspace(xv, factors.lora_a), x)
-    return lora, batch_info_for(gm, ctx, x, feature_dims=1), workspace
+    scratch = None
+    if workspace:
+        scratch = gm.graph.call_function(lora_workspace, (x, lora[0]))
+        fake_value(scratch, lambda xv: lora_workspace(xv, factors.lora_a), x)
+    return lora, batch_info_for(gm, ctx, x, feature_dims=1), scratch

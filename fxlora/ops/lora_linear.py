@@ -144,18 +144,19 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[device]
 
 
-@torch.library.custom_op("fxlora::lora_linear_fused", mutates_args=("workspace",))
+@torch.library.custom_op("fxlora::lora_linear_fused", mutates_args=())
 def lora_linear_fused(
     x: torch.Tensor,
     weights: list[torch.Tensor],
     biases: list[torch.Tensor | None],
     lora: list[torch.Tensor],
     batch: list[torch.Tensor],
-    workspace: torch.Tensor,
 ) -> list[torch.Tensor]:
     """``[lora_linear(x, weights[i], biases[i], <member i's factors>, batch) ...]``: each
     member's own ``F.linear``, its factors a slice of the multi-slice layout
-    (:func:`sliced_delta_reference`)."""
+    (:func:`sliced_delta_reference`). The shrink's scratch is allocated inside: a
+    functionalised graph (Inductor's) can hold an op that mutates an input only when it
+    returns single tensors, not a list."""
     ys = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
     rows = [y.view(-1, y.shape[-1]) for y in ys]
     sliced_delta_reference(rows, x.reshape(-1, x.shape[-1]), LoraWeights(*lora), BatchInfo(*batch).token_slot)
@@ -168,7 +169,6 @@ def lora_linear_fused_triton(
     biases: list[torch.Tensor | None],
     lora: list[torch.Tensor],
     batch: list[torch.Tensor],
-    workspace: torch.Tensor,
     overlap: bool = True,
 ) -> list[torch.Tensor]:
     """Every member's GEMM, then one shrink and one expand that update all their outputs
@@ -176,6 +176,7 @@ def lora_linear_fused_triton(
     base = lambda: [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # noqa: E731
     widths = tuple(w.shape[0] for w in weights)
     factors, info = LoraWeights(*lora), BatchInfo(*batch)
+    workspace = lora_workspace(x, factors.lora_a)
     return _with_lora_delta(x, base, factors, info, workspace, overlap, widths, one_gemm=False)
 
 
@@ -190,5 +191,5 @@ def _(x, weight, bias, lora, batch, workspace):
 
 
 @lora_linear_fused.register_fake
-def _(x, weights, biases, lora, batch, workspace):
+def _(x, weights, biases, lora, batch):
     return [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.promote_types(x.dtype, w.dtype)) for w in weights]

@@ -26,6 +26,7 @@ from fxlora.adapters import AdapterPool, read_adapter
 from fxlora.compiler import PassContext, run_pipeline
 from fxlora.compiler.annotate import ModuleTree
 from fxlora.compiler.arena import Arena
+from fxlora.compiler.inner import resolve as resolve_inner
 from fxlora.errors import AdapterError
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.explain import GraphRecord
@@ -33,16 +34,22 @@ from fxlora.runtime.routing import Router
 
 log = logging.getLogger(__name__)
 
-OPTIONS = ("adapters", "max_loras", "max_rank", "target_modules", "cuda_graphs")
+OPTIONS = ("adapters", "max_loras", "max_rank", "target_modules", "cuda_graphs", "inner")
 
 
 class Backend:
     """A Dynamo backend bound to one adapter pool."""
 
-    def __init__(self, pool: AdapterPool, cuda_graphs: bool = False, modules: ModuleTree | None = None):
+    def __init__(
+        self, pool: AdapterPool, cuda_graphs: bool = False, modules: ModuleTree | None = None, inner: str | None = None
+    ):
         """``modules``: the model's module tree, which attributes traced calls to modules by
-        identity; without it, by the paths Dynamo records."""
+        identity; without it, by the paths Dynamo records. ``inner``: the inner compiler,
+        ``"inductor"`` or ``"eager"`` (default: Inductor for graphs on CUDA, eager elsewhere)."""
+        if inner is not None:
+            resolve_inner(inner, torch.device("cpu"))  # a bad name fails here, not at the first graph
         self.pool = pool
+        self.inner = inner
         self.modules = modules
         # One call at a time runs the graphs: they share the arena, the CUDA graphs' memory
         # pool and (under generate) the KV cache. Other threads wait here.
@@ -72,17 +79,19 @@ class Backend:
         )
         for name, source in adapters.items():
             pool.load(read_adapter(name, source))
-        return cls(pool, cuda_graphs=bool(options.get("cuda_graphs", False)))
+        return cls(pool, cuda_graphs=bool(options.get("cuda_graphs", False)), inner=options.get("inner"))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
-        ctx = PassContext(self.pool, arena=self.arena, inputs=list(example_inputs), modules=self.modules)
+        inner = resolve_inner(self.inner, _first_device(example_inputs))
+        arena = self.arena if inner == "eager" else None  # Inductor plans the graph's memory itself
+        ctx = PassContext(self.pool, arena=arena, inputs=list(example_inputs), modules=self.modules)
         variants = run_pipeline(gm, ctx)
         devices = {self.pool.targets[fqn].info.device for fqn in variants.rewritten}
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
         if self.cuda_graphs and self.graphs is None:
             self.graphs = GraphSet(device, enabled=True)
-        router = Router(variants, self.pool, device, self.graphs, self.lock, owner=self)
-        record = GraphRecord.of(len(self.routers), _role.get(), variants, ctx.report)
+        router = Router(variants, self.pool, device, self.graphs, self.lock, owner=self, inner=inner)
+        record = GraphRecord.of(len(self.routers), _role.get(), variants, ctx.report, inner)
         self.routers.append(router)
         self.records.append(record)
         self.rewritten.update(ctx.rewritten)

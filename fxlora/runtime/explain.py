@@ -39,21 +39,23 @@ class GraphRecord:
     prologues: int
     hoisted: dict[str, int]  # variant -> allocations placed in the arena
     notes: list[str] = field(default_factory=list)  # what a pass left alone, and why
+    inner: str = "eager"  # the inner compiler of both variants
 
     @classmethod
-    def of(cls, index: int, role: str, variants: Variants, notes: Iterable[str]) -> GraphRecord:
+    def of(cls, index: int, role: str, variants: Variants, notes: Iterable[str], inner: str = "eager") -> GraphRecord:
         lora_nodes = list(variants.lora.graph.nodes) if variants.lora is not None else []
         ops = Counter(n.target.name().removeprefix("fxlora::") for n in lora_nodes if n.target in LORA_OPS)
         prologues = sum(1 for n in lora_nodes if n.target is torch.ops.fxlora.batch_info.default)
         hoists = {v: _hoisted(g) for v, g in (("lora", variants.lora), ("nolora", variants.nolora)) if g is not None}
-        return cls(index, role, ops, prologues, hoists, list(notes))
+        return cls(index, role, ops, prologues, hoists, list(notes), inner)
 
     def lines(self) -> Iterable[str]:
+        by = "" if self.inner == "eager" else f"; both compiled by {self.inner}"
         if self.ops:
             ops = ", ".join(f"{n} x {op}" for op, n in sorted(self.ops.items()))
-            yield f"  {self.role} graph {self.index}: lora runs {ops} after {self.prologues} prologue(s); nolora as traced"
+            yield f"  {self.role} graph {self.index}: lora runs {ops} after {self.prologues} prologue(s); nolora as traced{by}"
         else:
-            yield f"  {self.role} graph {self.index}: no LoRA target here; nolora only"
+            yield f"  {self.role} graph {self.index}: no LoRA target here; nolora only{by}"
         for note in self.notes:
             if note.startswith("fuse:"):
                 yield "    fused groups: " + note.rpartition(": ")[2]
@@ -102,6 +104,8 @@ def report(
     lines += ["", "Memory:", f"  adapter pool: {_mib(pool.nbytes)}"]
     if arena.nbytes:
         lines.append(f"  arena: {_mib(arena.nbytes)}, holding allocations that would take {_mib(arena.replaced_bytes)} side by side")
+    elif graphs and all(g.inner == "inductor" for g in graphs):
+        lines.append("  arena: not used: Inductor plans the graphs' memory")
     else:
         lines.append("  arena: not planned yet (generate or prepare() plans it)")
     lines += [f"  {k}: {v}" for k, v in memory.items()]

@@ -25,6 +25,7 @@ import torch
 from fxlora.adapters import NO_ADAPTER, AdapterPool
 from fxlora.adapters.peft_format import BASE_NAME
 from fxlora.compiler import Variants
+from fxlora.compiler.inner import compile_inner
 from fxlora.errors import AdapterError, LoraNotRunError
 from fxlora.runtime.cuda_graphs import GraphSet, cpu_work
 
@@ -180,17 +181,21 @@ class Router:
         graphs: GraphSet | None = None,
         lock: threading.RLock | None = None,
         owner: object = None,
+        inner: str = "eager",
     ):
         """``graphs``: replay the variants from CUDA graphs captured per input signature;
         ``lock``: held while a variant runs (the graphs of one backend share memory);
-        ``owner``: what made the router, kept alive as long as Dynamo keeps the graph."""
-        self.lora, self.nolora, self.pool, self.device = variants.lora, variants.nolora, pool, device
+        ``owner``: what made the router, kept alive as long as Dynamo keeps the graph;
+        ``inner``: the inner compiler of both variants (:mod:`fxlora.compiler.inner`)."""
+        self.pool, self.device = pool, device
         self.owner = owner
         self.lock = lock or threading.RLock()
         self.graphs = graphs
         self.lora_modules = variants.rewritten
-        candidates = (("lora", self.lora), ("nolora", self.nolora)) if graphs is not None else ()
+        candidates = (("lora", variants.lora), ("nolora", variants.nolora)) if graphs is not None else ()
         self.uncapturable = {v: cpu_work(g) for v, g in candidates if g is not None}
+        self.lora = compile_inner(variants.lora, inner) if variants.lora is not None else None
+        self.nolora = compile_inner(variants.nolora, inner)
 
     def __call__(self, *args):
         selection = _selection.get()

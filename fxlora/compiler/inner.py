@@ -1,0 +1,47 @@
+"""The inner compiler: what turns each variant's FX graph into the code that runs.
+
+``"eager"`` runs the FX graph itself: on CPU, ``nolora`` is then the traced model op for op,
+and ``hoist`` has placed its allocations in the arena. ``"inductor"`` hands each variant to
+Inductor, which fuses the base model's norms, rotary embeddings, activations and residual
+adds around the ``fxlora::`` ops (opaque custom ops to it) and plans the graph's memory
+itself, so ``hoist`` does not run there. Inductor traces the graph again from the traced
+values of its inputs, which carry Dynamo's symbolic sizes: one compilation serves every
+batch bucket and prompt length, as the FX graph does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+INNER = ("eager", "inductor")
+
+
+def resolve(inner: str | None, device: torch.device) -> str:
+    """``inner`` as given, or the default for ``device``: Inductor on CUDA, eager elsewhere."""
+    if inner is None:
+        return "inductor" if device.type == "cuda" else "eager"
+    if inner not in INNER:
+        raise ValueError(f"inner compiler {inner!r} is not one of {list(INNER)}")
+    return inner
+
+
+def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
+    """The callable that runs ``gm`` (a variant of a graph Dynamo traced, compiled while
+    Dynamo's tracing context is current)."""
+    if inner == "eager":
+        return gm
+    from torch._inductor.compile_fx import compile_fx
+
+    example_inputs = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = node.meta.get("val", node.meta.get("example_value"))
+            if value is None:
+                raise RuntimeError(f"graph input {node.target!r} has no traced value for Inductor to trace from")
+            example_inputs.append(value)
+    with torch.no_grad():  # an inference graph: fxlora's ops have no backward
+        return compile_fx(gm, example_inputs)
