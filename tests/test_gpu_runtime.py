@@ -255,3 +255,33 @@ def test_ten_thousand_replays_with_hot_swaps():
         replays += 39
         assert torch.equal(out, first)
     assert rt.graphs.graphs == graphs and rt.graphs.pool_bytes == pool_bytes and cm.compile_count == compiles
+
+
+def test_generate_with_an_end_token_does_not_synchronise_per_step():
+    *_, cm = _served(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 200, (5, 7), generator=gen).cuda()
+    names = ["a", None, "b", "c", "a"]
+    first = cm.generate(ids, adapter_names=names, max_new_tokens=30)  # traces and captures
+    eos = int(first[0, 7 + 12])  # a token row 0 makes: it finishes there, the others go on
+    expected = cm.generate(ids, adapter_names=names, max_new_tokens=30, eos_token_id=eos)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = cm.generate(ids, adapter_names=names, max_new_tokens=30, eos_token_id=eos)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out, expected)
+    row = out[0, 7:].tolist()
+    assert row.index(eos) <= 12 and all(t == eos for t in row[row.index(eos) :])  # padded with the end token after it
+
+
+def test_bf16_logits_with_inductor_match_peft_by_per_token_kl():
+    _, model, adapters, cm = _served(torch.bfloat16)
+    names = ["a", "b", None, "c"]
+    ids = torch.randint(3, 200, (4, 12), generator=torch.Generator().manual_seed(5)).cuda()
+    out = cm(input_ids=ids, adapter_names=names).logits.float()
+    ref = reference_logits(model, peft_model_with(model, adapters), names, input_ids=ids).float()
+    kl = torch.nn.functional.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    assert kl.max().item() <= 1e-3, kl.max().item()
+    assert "both compiled by inductor" in cm.explain()

@@ -1,7 +1,8 @@
 """The compiler: a traced FX graph in, its ``lora`` and ``nolora`` variants out.
 
-``annotate`` attributes every call to its module; the annotated graph, copied before any
-LoRA pass, is ``nolora``: node for node the traced base computation. The LoRA passes then
+``annotate`` attributes every call to its module; for code that runs on CUDA,
+``decode_attention`` then serves decode-step attention from the KV cache as cached. That
+graph, copied before any LoRA pass, is ``nolora``: node for node the traced base computation. The LoRA passes then
 rewrite the other copy in order, each leaving a valid graph, into ``lora``. ``hoist`` turns
 each variant's allocations into sites of the model's one arena.
 """
@@ -18,6 +19,7 @@ import fxlora.ops  # noqa: F401  (registers the fxlora:: ops the passes emit)
 from fxlora.compiler.annotate import annotate
 from fxlora.compiler.batch_info import batch_info
 from fxlora.compiler.context import PassContext
+from fxlora.compiler.decode_attention import decode_attention
 from fxlora.compiler.fuse import fuse
 from fxlora.compiler.hoist import hoist
 from fxlora.compiler.lora_embedding import lora_embedding
@@ -53,10 +55,13 @@ def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> Variants:
-    """Annotate a copy of ``gm`` (the caller's graph is left as it was), keep a copy of it as
+    """Annotate a copy of ``gm`` (the caller's graph is left as it was), serve its decode
+    attention if ``ctx`` asks, keep a copy of it as
     ``nolora``, run the LoRA passes on the other into ``lora``, and hoist each variant's
     allocations into the arena."""
     gm = annotate(copy_graph(gm), ctx)
+    if ctx.decode_attention:
+        gm = decode_attention(gm, ctx)
     nolora = copy_graph(gm)
     for p in PIPELINE:
         gm = p(gm, ctx)

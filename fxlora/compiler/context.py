@@ -21,6 +21,7 @@ class PassContext:
     arena: Arena | None = None  # where ``hoist`` places allocations; None: leave them
     inputs: list | None = None  # the real values of the graph's placeholders (Dynamo's example inputs)
     modules: ModuleTree | None = None  # the traced model's module tree, when known
+    decode_attention: bool = False  # rewrite decode-step SDPA over the KV cache (for code run on CUDA)
 
     def note(self, line: str) -> None:
         if line not in self.report:  # passes that look at the same calls may say the same thing

@@ -82,9 +82,12 @@ class Backend:
         return cls(pool, cuda_graphs=bool(options.get("cuda_graphs", False)), inner=options.get("inner"))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
-        inner = resolve_inner(self.inner, _first_device(example_inputs))
+        first = _first_device(example_inputs)
+        inner = resolve_inner(self.inner, first)
         arena = self.arena if inner == "eager" else None  # Inductor plans the graph's memory itself
-        ctx = PassContext(self.pool, arena=arena, inputs=list(example_inputs), modules=self.modules)
+        ctx = PassContext(
+            self.pool, arena=arena, inputs=list(example_inputs), modules=self.modules, decode_attention=first.type == "cuda"
+        )
         variants = run_pipeline(gm, ctx)
         devices = {self.pool.targets[fqn].info.device for fqn in variants.rewritten}
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)

@@ -40,6 +40,7 @@ class GraphRecord:
     hoisted: dict[str, int]  # variant -> allocations placed in the arena
     notes: list[str] = field(default_factory=list)  # what a pass left alone, and why
     inner: str = "eager"  # the inner compiler of both variants
+    attention: int = 0  # decode-step SDPA calls served by fxlora::decode_attention
 
     @classmethod
     def of(cls, index: int, role: str, variants: Variants, notes: Iterable[str], inner: str = "eager") -> GraphRecord:
@@ -47,7 +48,8 @@ class GraphRecord:
         ops = Counter(n.target.name().removeprefix("fxlora::") for n in lora_nodes if n.target in LORA_OPS)
         prologues = sum(1 for n in lora_nodes if n.target is torch.ops.fxlora.batch_info.default)
         hoists = {v: _hoisted(g) for v, g in (("lora", variants.lora), ("nolora", variants.nolora)) if g is not None}
-        return cls(index, role, ops, prologues, hoists, list(notes), inner)
+        attention = sum(1 for n in variants.nolora.graph.nodes if n.target is torch.ops.fxlora.decode_attention.default)
+        return cls(index, role, ops, prologues, hoists, list(notes), inner, attention)
 
     def lines(self) -> Iterable[str]:
         by = "" if self.inner == "eager" else f"; both compiled by {self.inner}"
@@ -59,6 +61,8 @@ class GraphRecord:
         for note in self.notes:
             if note.startswith("fuse:"):
                 yield "    fused groups: " + note.rpartition(": ")[2]
+        if self.attention:
+            yield f"    decode attention: {self.attention} SDPA call(s) read the KV cache's grouped heads as cached"
         if any(self.hoisted.values()):
             yield "    arena: " + ", ".join(f"{n} allocation(s) of {v}" for v, n in self.hoisted.items())
 
@@ -98,7 +102,7 @@ def report(
     else:
         lines.append("  none yet: call the model once to trace it")
     lines += [f"  {line}" for line in runtime]
-    skipped = [n for g in graphs for n in g.notes if not n.startswith(("fuse:", "batch_info:", "hoist:"))]
+    skipped = [n for g in graphs for n in g.notes if not n.startswith(("fuse:", "batch_info:", "hoist:", "decode_attention:"))]
     skipped += [f"{fqn}: targeted, but no traced graph calls it" for fqn in not_traced]
     lines += ["", "Not served:"] + ([f"  {line}" for line in dict.fromkeys(skipped)] or ["  nothing: every target runs its LoRA"])
     lines += ["", "Memory:", f"  adapter pool: {_mib(pool.nbytes)}"]

@@ -141,11 +141,6 @@ class DecodeRuntime:
             "or split the batch"
         )
 
-    def _write_slots(self, slots: list[int]) -> None:
-        self.slot_ids.fill_(-1)
-        if slots:
-            self.slot_ids[: len(slots)].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
-
     @torch.no_grad()
     def generate(
         self,
@@ -195,12 +190,9 @@ class DecodeRuntime:
         sampling: Sampling,
     ) -> torch.Tensor:
         rows, prompt_len = input_ids.shape
-        eos = torch.tensor(
-            [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
-            dtype=torch.long,
-            device=self.device,
-        )
-        pad = pad_token_id if pad_token_id is not None else int(eos[0]) if len(eos) else 0
+        eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        eos = _to_device(torch.tensor(eos_ids, dtype=torch.long), self.device)
+        pad = pad_token_id if pad_token_id is not None else eos_ids[0] if eos_ids else 0
         ids, keep = _left_align(input_ids.to(self.device), attention_mask, pad)
 
         # prefill: the whole prompt, causal and padding-masked, into cache columns [0, prompt_len)
@@ -210,40 +202,92 @@ class DecodeRuntime:
         visible = keep[:, None, None, :] & (columns[None, :, None] >= columns[None, None, :])[:, None]
         mask = torch.full((rows, 1, prompt_len, self.max_len), _masked(self.dtype), dtype=self.dtype, device=self.device)
         mask[..., :prompt_len].masked_fill_(visible, 0.0)
-        slot_ids = torch.tensor(slots, dtype=torch.int32, device=self.device) if any(s >= 0 for s in slots) else None
+        variant = "lora" if any(s >= 0 for s in slots) else "nolora"
+        slot_ids = _to_device(torch.tensor(slots, dtype=torch.int32), self.device) if variant == "lora" else None
         with tracing_as("prefill"):
             logits = self._call(rows, ids, positions, mask, columns, slot_ids)
 
-        # decode state in the static buffers
+        # decode state in the static buffers; each row keeps its slot for the whole call
         self.mask.fill_(_masked(self.dtype))
         self.mask[:rows, 0, 0, :prompt_len].masked_fill_(keep, 0.0)
         self.positions[:rows, 0].copy_(lengths)
+        if slot_ids is not None:
+            self.slot_ids.fill_(NO_ADAPTER)
+            self.slot_ids[:rows].copy_(slot_ids)
         bucket = self.bucket_for(rows)  # checked before the call: it fits
-        done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        finished = _Finished(rows, len(eos) > 0, max_new_tokens, self.device)
         out = [ids]
         for step in range(max_new_tokens):
-            tokens = sampling.pick(logits.float())
-            tokens = torch.where(done, pad, tokens)
+            tokens = torch.where(finished.rows, pad, sampling.pick(logits.float()))
             out.append(tokens[:, None])
-            if len(eos):
-                done |= torch.isin(tokens, eos)
-            if step == max_new_tokens - 1:
+            finished.update(step, tokens, eos)
+            if step == max_new_tokens - 1 or finished.seen_all(step):
                 break
-            if len(eos):
-                finished = done.tolist()  # the host needs it: stop, and route finished rows to the base model
-                if all(finished):
-                    break
-                slots = [NO_ADAPTER if f else s for s, f in zip(slots, finished)]
             column = prompt_len + step
             self.ids[:rows, 0].copy_(tokens)
             self.column.fill_(column)
             self.mask[:, 0, 0, column] = 0.0
-            variant = "lora" if any(s >= 0 for s in slots) else "nolora"
-            if variant == "lora":
-                self._write_slots(slots)
             logits = self.graphs.run((variant, bucket), self._decode)[:rows]
             self.positions[:rows].add_(1)
-        return torch.cat(out, dim=1)
+        return torch.cat(out, dim=1)[:, : prompt_len + finished.steps(len(out) - 1)]
+
+
+CHECK_EVERY = 8  # decode steps between the host's looks at which rows have finished
+
+
+class _Finished:
+    """Which rows produced an end token, kept on the device. The host hears of it through a
+    non-blocking copy it reads ``CHECK_EVERY`` steps later, so no step waits for the device;
+    the steps run meanwhile make only padding, which is cut off at the end."""
+
+    def __init__(self, rows: int, tracked: bool, max_new_tokens: int, device: torch.device):
+        self.tracked, self.device = tracked, device
+        self.rows = torch.zeros(rows, dtype=torch.bool, device=device)
+        # the number of new tokens to keep: up to the step after which every row had finished
+        self.keep = torch.full((1,), max_new_tokens, dtype=torch.long, device=device)
+        self.host = torch.zeros(2, dtype=torch.long, pin_memory=device.type == "cuda")  # (all finished, keep)
+        self.copied: torch.cuda.Event | None = None  # marks the last copy to ``host`` on CUDA
+        self.pending = False
+
+    def update(self, step: int, tokens: torch.Tensor, eos: torch.Tensor) -> None:
+        if not self.tracked:
+            return
+        self.rows |= (tokens[:, None] == eos).any(1)
+        self.keep = torch.where(self.rows.all() & (self.keep > step), step + 1, self.keep)
+
+    def seen_all(self, step: int) -> bool:
+        """Whether every row had finished by a step the host has heard of."""
+        if not self.tracked or step % CHECK_EVERY:
+            return False
+        if self.pending and (self.copied is None or self.copied.query()) and bool(self.host[0]):
+            return True
+        self._copy()
+        return False
+
+    def steps(self, ran: int) -> int:
+        """How many of the ``ran`` new tokens to keep."""
+        if not self.tracked:
+            return ran
+        self._copy()
+        if self.copied is not None:
+            self.copied.synchronize()  # once per call, after the last step
+        return min(ran, int(self.host[1]))
+
+    def _copy(self) -> None:
+        self.host.copy_(torch.cat([self.rows.all().long().view(1), self.keep]), non_blocking=True)
+        self.pending = True
+        if self.device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.copied = None
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to ``device`` without making the host wait."""
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _left_align(ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,12 @@
 """The Triton kernels and their launchers: ``sgmv`` (segmented shrink and expand), ``bgmv``
-(per-token expand) and ``slot_sort`` (batch info in one launch); their launch parameters per
+(per-token expand), ``slot_sort`` (batch info in one launch) and ``decode_attention``; their launch parameters per
 device and shape class in ``launch_table``. Triton ships with CUDA builds of PyTorch; a
 CPU-only install runs the ops' reference implementations and needs no Triton: then the kernel
 modules here are None."""
 
 try:
-    from fxlora.ops.triton import bgmv, sgmv, slot_sort
+    from fxlora.ops.triton import bgmv, decode_attention, sgmv, slot_sort
 except ImportError:  # no Triton installed
-    bgmv = sgmv = slot_sort = None
+    bgmv = decode_attention = sgmv = slot_sort = None
 
-__all__ = ["bgmv", "sgmv", "slot_sort"]
+__all__ = ["bgmv", "decode_attention", "sgmv", "slot_sort"]

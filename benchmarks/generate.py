@@ -1,0 +1,168 @@
+"""Whole ``generate`` calls in bf16: fxlora (``lora`` with 16 adapters, and ``nolora``) against
+what a user would otherwise run, each system in a process of its own, side by side in one
+call.
+
+    python benchmarks/generate.py [--model llama|qwen3_moe] [--batches 1,32,128 | --quick] [--out results.json]
+
+Systems: ``fxlora`` (``fxlora.compile`` with ``max_batch_size`` the largest batch: Inductor
+inside both graphs, CUDA graphs per batch bucket; one process serves both variants);
+``transformers``: the base model's own ``generate(cache_implementation="static")``, which
+compiles its forward with ``torch.compile`` and captures it; ``peft``: a ``PeftModel`` with
+the same 16 adapters serving a mixed batch through ``adapter_names`` (eager; a few decode
+steps, scaled), or for MoE one adapter for the whole batch (PEFT cannot mix adapters on
+experts). Models, adapters (rank 16) and random weights as in ``benchmarks/decode.py``.
+Prompts of 128 tokens, 128 new tokens, greedy, no end token: every call makes all of them.
+
+A system's decode rate is ``rows * (new - 1) / (t(new) - t(1))`` and its prefill rate
+``rows * prompt / t(1)``, ``t(n)`` the median time of a call making ``n`` new tokens after
+warm-up. ``setup_s``: the first call, compile and capture included (for fxlora, compile,
+``prepare()`` and that call). ``peak_MiB``: the most device memory the process held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import transformers
+
+PROMPT, NEW = 128, 128
+ADAPTERS = 16
+PEFT_STEPS = 8
+
+
+def timed(fn, repeat: int = 3) -> float:
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def rates(batch: int, t1: float, tn: float, new: int) -> dict:
+    return {"decode_tok_s": batch * (new - 1) / (tn - t1), "prefill_tok_s": batch * PROMPT / t1}
+
+
+def run_system(system: str, model_name: str, batches: list[int]) -> dict:
+    from decode import make_adapters, spec
+
+    from fxlora.testing.models import fill_zero_weights
+
+    torch.manual_seed(0)
+    sp = spec(model_name)
+    model = transformers.AutoModelForCausalLM.from_config(sp.config, dtype=torch.bfloat16).cuda().eval()
+    fill_zero_weights(model, 0.02)
+    adapters = make_adapters(sp, ADAPTERS)
+    vocab = sp.config.vocab_size
+    prompts = {b: torch.randint(3, vocab, (b, PROMPT), device="cuda") for b in batches}
+    results: dict = {"rows": {}}
+    start = time.perf_counter()
+    if system == "fxlora":
+        import fxlora
+
+        cm = fxlora.compile(model, adapters, max_loras=ADAPTERS, max_rank=16, max_batch_size=max(batches),
+                            max_len=PROMPT + NEW)  # fmt: skip
+        cm.prepare()
+        for b in batches:
+            names = {"lora": [f"ad{i % ADAPTERS}" for i in range(b)], "nolora": None}
+            for variant, adapter_names in names.items():
+                call = lambda n: cm.generate(prompts[b], adapter_names=adapter_names, max_new_tokens=n)  # noqa: B023, E731
+                call(NEW)
+                if "setup_s" not in results:
+                    results["setup_s"] = time.perf_counter() - start
+                t1, tn = timed(lambda: call(1)), timed(lambda: call(NEW))  # noqa: B023
+                results["rows"][f"{variant}/{b}"] = rates(b, t1, tn, NEW)
+        results["graph_pool_MiB"] = cm.prepare().graphs.pool_bytes / 2**20
+        results["explain"] = cm.explain()
+    elif system == "transformers":
+        for b in batches:
+            def call(n):
+                return model.generate(prompts[b], attention_mask=torch.ones_like(prompts[b]), max_new_tokens=n,  # noqa: B023
+                                      min_new_tokens=n, do_sample=False, cache_implementation="static", pad_token_id=0)  # fmt: skip
+            first = time.perf_counter()
+            call(NEW)
+            results.setdefault("setup_s_per_batch", {})[b] = time.perf_counter() - first
+            t1, tn = timed(lambda: call(1)), timed(lambda: call(NEW))  # noqa: B023
+            results["rows"][f"base/{b}"] = rates(b, t1, tn, NEW)
+    elif system == "peft":
+        from peft import get_peft_model, set_peft_model_state_dict
+
+        served = adapters if sp.peft_mixed else {"ad0": adapters["ad0"]}
+        peft_model = get_peft_model(model, served["ad0"][0], adapter_name="ad0")
+        for name, (cfg, state) in served.items():
+            if name != "ad0":
+                peft_model.add_adapter(name, cfg)
+            set_peft_model_state_dict(peft_model, state, adapter_name=name)
+        peft_model.to(torch.bfloat16).eval()
+        for b in batches:
+            extra = {"adapter_names": [f"ad{i % ADAPTERS}" for i in range(b)]} if sp.peft_mixed else {}
+            def call(n):
+                return peft_model.generate(input_ids=prompts[b], attention_mask=torch.ones_like(prompts[b]),  # noqa: B023
+                                           max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **extra)  # noqa: B023
+            call(2)
+            t1, tn = timed(lambda: call(1), 1), timed(lambda: call(PEFT_STEPS), 1)  # noqa: B023
+            results["rows"][f"peft/{b}"] = rates(b, t1, tn, PEFT_STEPS)
+    results["peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--batches", default="1,32,128")
+    parser.add_argument("--quick", action="store_true", help="batches 1 and 32")
+    parser.add_argument("--systems", default="fxlora,transformers,peft")
+    parser.add_argument("--out", default="generate.json")
+    parser.add_argument("--system", help=argparse.SUPPRESS)  # the child process: one system
+    args = parser.parse_args()
+    if args.quick:
+        args.batches = "1,32"
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.system:
+        print(json.dumps(run_system(args.system, args.model, batches)))
+        return
+    systems = {}
+    for system in args.systems.split(","):
+        cmd = [sys.executable, __file__, "--model", args.model, "--batches", args.batches, "--system", system]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            print(f"{system} failed:\n{proc.stderr[-3000:]}")
+            systems[system] = {"error": proc.stderr[-3000:]}
+            continue
+        systems[system] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"{system}: done")
+    rows = {}
+    for result in systems.values():
+        rows.update(result.get("rows", {}))
+    print(f"{'batch':>5} {'system':>8} {'decode tok/s':>13} {'prefill tok/s':>14} {'vs transformers':>16}")
+    for b in batches:
+        base = rows.get(f"base/{b}", {}).get("decode_tok_s")
+        for system in ("nolora", "lora", "base", "peft"):
+            r = rows.get(f"{system}/{b}")
+            if r:
+                ratio = f"{r['decode_tok_s'] / base:16.2f}" if base else f"{'-':>16}"
+                print(f"{b:>5} {system:>8} {r['decode_tok_s']:13.0f} {r['prefill_tok_s']:14.0f} {ratio}")
+    for system, result in systems.items():
+        setup = result.get("setup_s", result.get("setup_s_per_batch"))
+        print(f"{system}: setup {setup}, peak {result.get('peak_MiB', 0):.0f} MiB"
+              + (f", graph pool {result['graph_pool_MiB']:.0f} MiB" if "graph_pool_MiB" in result else ""))  # fmt: skip
+    meta = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
+        "prompt": PROMPT, "new_tokens": NEW, "adapters": ADAPTERS,
+    }  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "systems": systems}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Decode attention in Triton: one query token per row over a KV cache, grouped-query heads
+read once, masked cache columns skipped (split-K "flash decoding").
+
+A program serves one row, one KV head and one split of the cache's columns: it loads the
+queries of every head of that KV head's group, walks its columns block by block with an
+online softmax, and writes the group's partial outputs with their log-sum-exp; a second
+kernel combines the splits. A block whose additive mask is at or below ``masked`` in every
+column (columns past a row's context, its padding, outside a sliding window) is skipped
+before its keys and values are read, so the work follows each row's live context, not the
+cache's length. The grid depends only on shapes (worst case: every column), so a CUDA graph
+captured once serves every context length.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 32  # cache columns per step of a program
+TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, lse_ptr,
+    columns, kv_heads, group, scale, masked,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb, stride_mn,
+    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    bh, split = tl.program_id(0), tl.program_id(1)
+    b, kvh = bh // kv_heads, bh % kv_heads
+    heads = kvh * group + tl.arange(0, BLOCK_G)
+    g_ok = tl.arange(0, BLOCK_G) < group
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    start = split * SPLIT
+    for n0 in range(start, tl.minimum(start + SPLIT, columns), BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < columns
+        bias = tl.load(mask_ptr + b * stride_mb + n * stride_mn, mask=n_ok, other=float("-inf")).to(tl.float32)
+        if tl.max(bias, 0) > masked:  # some column of the block is visible
+            bias = tl.where(n_ok & (bias > masked), bias, float("-inf"))
+            k = tl.load(k_ptr + b * stride_kb + kvh * stride_kh + n[:, None] * stride_kn + d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+            s = tl.dot(q, tl.trans(k)) * scale + bias[None, :]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + n[:, None] * stride_vn + d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    splits = tl.num_programs(1)
+    row = (b * kv_heads * group + heads) * splits + split  # (row, head, split) of the partials
+    safe = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / safe[:, None], mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + row, tl.where(l_i > 0, m_i + tl.log(safe), float("-inf")), mask=g_ok)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, splits, stride_ob, stride_oh, heads,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+    bh = tl.program_id(0)
+    b, h = bh // heads, bh % heads
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(lse_ptr + bh * splits + s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(s_ok & (lse > float("-inf")), tl.exp(lse - top), 0.0)
+    part = tl.load(part_ptr + (bh * splits + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def split_size(rows: int, kv_heads: int, columns: int) -> int:
+    """Columns per split: enough programs to fill the device, whole blocks each."""
+    blocks = triton.cdiv(columns, BLOCK_N)
+    splits = max(1, min(blocks, triton.cdiv(TARGET_PROGRAMS, rows * kv_heads)))
+    return triton.cdiv(blocks, splits) * BLOCK_N
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, masked: float
+) -> torch.Tensor:
+    """``q`` (rows, heads, 1, dim); ``k``, ``v`` (rows, kv_heads, columns, dim); ``mask``
+    additive, broadcastable to (rows, 1, 1, columns). Returns (rows, heads, 1, dim)."""
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("decode attention reads q, k and v with unit stride in their last dimension")
+    rows, heads, _, dim = q.shape
+    kv_heads, columns = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    mask = mask.expand(rows, 1, 1, columns)
+    split = split_size(rows, kv_heads, columns)
+    splits = triton.cdiv(columns, split)
+    part = torch.empty(rows * heads * splits, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(rows * heads * splits, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(dim)
+    _split_kernel[(rows * kv_heads, splits)](
+        q, k, v, mask, part, lse,
+        columns, kv_heads, group, scale, masked,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        mask.stride(0), mask.stride(3),
+        SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d, HEAD_DIM=dim,
+        num_warps=4,
+    )  # fmt: skip
+    out = torch.empty(rows, heads, 1, dim, dtype=q.dtype, device=q.device)
+    _combine_kernel[(rows * heads,)](
+        part, lse, out, splits, out.stride(0), out.stride(1), heads,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, HEAD_DIM=dim,
+    )  # fmt: skip
+    return out
