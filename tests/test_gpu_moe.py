@@ -122,7 +122,9 @@ def test_bf16_mixed_batch_matches_peft(family):
     ids = torch.randint(3, 200, (5, 7), generator=torch.Generator().manual_seed(2)).cuda()
     with torch.no_grad():
         assert_matches_peft(cm, model, adapters, ["a", None, "b", "c", "a"], input_ids=ids)
-        torch.testing.assert_close(cm(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+    eager = fxlora.compile(model, adapters, max_loras=4, max_rank=16, inner="eager")
+    with torch.no_grad():  # the FX graph itself is the model op for op; Inductor's fusions round differently
+        torch.testing.assert_close(eager(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
 
 
 def test_decode_graphs_match_eager_with_swaps():

@@ -59,3 +59,12 @@ def test_boolean_mask_on_the_kernel_path():
     expected = decode_attention_reference(q, k, v, seen, 0.25)
     got = decode_attention_triton(*(t.to(DEVICE) for t in (q, k, v, seen)), 0.25)
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_that_sees_nothing_reads_zeros():
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    mask = torch.full((2, 1, 1, 40), torch.finfo(torch.float32).min)
+    mask[0, ..., 5:9] = 0.0
+    got = kernel.decode_attention(*(t.to(DEVICE) for t in (q, k, v, mask)), 0.25, torch.finfo(torch.float32).min).cpu()
+    torch.testing.assert_close(got[0], decode_attention_reference(q, k, v, mask, 0.25)[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))

@@ -42,6 +42,13 @@ def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
             value = node.meta.get("val", node.meta.get("example_value"))
             if value is None:
                 raise RuntimeError(f"graph input {node.target!r} has no traced value for Inductor to trace from")
-            example_inputs.append(value)
+            # the graph is an inference graph: no input asks for gradients, whatever the grad mode
+            example_inputs.append(value.detach() if isinstance(value, torch.Tensor) else value)
     with torch.no_grad():  # an inference graph: fxlora's ops have no backward
-        return compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs)
+
+    def run(*args: Any) -> Any:
+        with torch.no_grad():  # Inductor may finish compiling on the first call
+            return compiled(*args)
+
+    return run

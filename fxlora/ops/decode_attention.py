@@ -6,7 +6,9 @@ It computes what transformers' SDPA attention computes at a decode step,
 without expanding the cached keys and values to the query heads: query head ``h`` reads KV
 head ``h // (heads / kv_heads)``, as ``repeat_kv`` lays them out. On CUDA the Triton kernel of
 :mod:`fxlora.ops.triton.decode_attention` skips cache blocks the mask hides from a row;
-elsewhere the reference is that SDPA call itself.
+elsewhere the reference is that SDPA call itself. A row whose mask hides every cache
+column (an unused row of a batch bucket) reads zeros from the kernel, where SDPA would
+average every column.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ online softmax, and writes the group's partial outputs with their log-sum-exp; a
 kernel combines the splits. A block whose additive mask is at or below ``masked`` in every
 column (columns past a row's context, its padding, outside a sliding window) is skipped
 before its keys and values are read, so the work follows each row's live context, not the
-cache's length. The grid depends only on shapes (worst case: every column), so a CUDA graph
+cache's length. A row whose mask hides every column (an unused row of a batch bucket) reads
+zeros. The grid depends only on shapes (worst case: every column), so a CUDA graph
 captured once serves every context length.
 """
 
@@ -27,6 +28,7 @@ def _split_kernel(
     columns, kv_heads, group, scale, masked,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb, stride_mn,
     SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     bh, split = tl.program_id(0), tl.program_id(1)
     b, kvh = bh // kv_heads, bh % kv_heads
@@ -47,14 +49,14 @@ def _split_kernel(
             bias = tl.where(n_ok & (bias > masked), bias, float("-inf"))
             k = tl.load(k_ptr + b * stride_kb + kvh * stride_kh + n[:, None] * stride_kn + d[None, :],
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-            s = tl.dot(q, tl.trans(k)) * scale + bias[None, :]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias[None, :]
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + n[:, None] * stride_vn + d[None, :],
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
     splits = tl.num_programs(1)
     row = (b * kv_heads * group + heads) * splits + split  # (row, head, split) of the partials
@@ -76,7 +78,8 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, splits, stride_ob, stride_oh, he
     top = tl.max(lse, 0)
     w = tl.where(s_ok & (lse > float("-inf")), tl.exp(lse - top), 0.0)
     part = tl.load(part_ptr + (bh * splits + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)  # 0 when the mask hides every column: the row reads 0 (nothing, not NaN)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -109,6 +112,7 @@ def decode_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), mask.stride(3),
         SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d, HEAD_DIM=dim,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 as float32, not TF32
         num_warps=4,
     )  # fmt: skip
     out = torch.empty(rows, heads, 1, dim, dtype=q.dtype, device=q.device)
