@@ -264,16 +264,16 @@ def test_generate_with_an_end_token_does_not_synchronise_per_step():
     names = ["a", None, "b", "c", "a"]
     first = cm.generate(ids, adapter_names=names, max_new_tokens=30)  # traces and captures
     eos = int(first[0, 7 + 12])  # a token row 0 makes: it finishes there, the others go on
-    expected = cm.generate(ids, adapter_names=names, max_new_tokens=30, eos_token_id=eos)
+    expected = cm.generate(ids, adapter_names=names, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = cm.generate(ids, adapter_names=names, max_new_tokens=30, eos_token_id=eos)
+        out = cm.generate(ids, adapter_names=names, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(out, expected)
     row = out[0, 7:].tolist()
-    assert row.index(eos) <= 12 and all(t == eos for t in row[row.index(eos) :])  # padded with the end token after it
+    assert row.index(eos) <= 12 and all(t == 0 for t in row[row.index(eos) + 1 :])  # padded after its end token
 
 
 def test_bf16_logits_with_inductor_match_peft_by_per_token_kl():
