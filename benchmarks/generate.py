@@ -139,7 +139,9 @@ def main() -> None:
             systems[system] = {"error": proc.stderr[-3000:]}
             continue
         systems[system] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"{system}: done")
+        print(f"{system}: done", flush=True)
+        with open(args.out, "w") as f:  # what has run so far, should a later system not finish
+            json.dump({"systems": systems}, f, indent=1)
     rows = {}
     for result in systems.values():
         rows.update(result.get("rows", {}))
