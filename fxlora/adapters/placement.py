@@ -71,7 +71,7 @@ def resolve(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
     for owner, parts in per_expert.items():
         for fqn, factors in experts.per_expert_factors(where, owner, modules[owner], parts).items():
             put(fqn, factors, f"{owner}.<e>")
-    if out == adapter.modules:
+    if out.keys() == adapter.modules.keys() and all(out[k] is f for k, f in adapter.modules.items()):
         return adapter
     return dataclasses.replace(adapter, modules=out)
 
