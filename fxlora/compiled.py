@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fxlora.adapters import AdapterPool, experts, model_modules, read_adapter
+from fxlora.adapters import AdapterPool, experts, model_modules, placement, read_adapter
 from fxlora.adapters.peft_format import AdapterSource
 from fxlora.compiler.annotate import ModuleTree
 from fxlora.errors import AdapterError
@@ -140,7 +140,7 @@ class CompiledModel(torch.nn.Module):
     def load_adapter(self, name: str, source: AdapterSource) -> None:
         """Load an adapter into a free slot: graphs are not retraced. On any error nothing
         changes."""
-        self.pool.load(experts.resolve(read_adapter(name, source), self.model))
+        self.pool.load(placement.resolve(read_adapter(name, source), self.model))
 
     def unload_adapter(self, name: str) -> None:
         self.pool.unload(name)
@@ -256,7 +256,7 @@ def compile(
         output_embedding=next((n for n, m in model.named_modules() if m is output_head), None),
     )
     for name, source in adapters.items():
-        pool.load(experts.resolve(read_adapter(name, source), model))
+        pool.load(placement.resolve(read_adapter(name, source), model))
     pool.register_modules(model_modules(model), complete=True)
     config = getattr(model, "config", None)
     if getattr(config, "_experts_implementation", None) in (None, "eager") and any(

@@ -1,5 +1,5 @@
 """The public API around the core: PeftModel input, the user's model left alone, the
-Dynamo entry point in a fresh process, explain(), and the eager-fallback guard."""
+Dynamo entry point in a fresh process, explain(), and the guard against LoRA that did not run."""
 
 import copy
 import os
@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 import fxlora
@@ -93,6 +94,17 @@ def test_lora_skipped_by_eager_fallback_is_an_error(model, inputs, tmp_path):
         with pytest.raises(fxlora.LoraNotRunError, match="did not run"):
             cm(**inputs, adapter_names=["a", None, None])
         cm(**inputs, adapter_names=[None, None, None])  # base rows only: the eager model is right
+
+
+def test_lora_a_pass_left_out_names_the_adapter_and_why(model, inputs, tmp_path):
+    twice = copy.deepcopy(model)
+    proj = twice.model.layers[0].mlp.down_proj
+    proj.forward = lambda x: F.linear(x, proj.weight) + 0 * F.linear(x, proj.weight)
+    adapter = make_adapter(twice, LoraConfig(r=4, target_modules=["down_proj"]), 0, str(tmp_path / "a"))
+    cm = fxlora.compile(twice, adapters={"a": adapter})
+    with pytest.raises(fxlora.LoraNotRunError, match=r"\['a'\].*'model\.layers\.0\.mlp\.down_proj'.*makes 2 linear calls"):
+        cm(**inputs, adapter_names=["a", None, None])
+    cm(**inputs, adapter_names=[None, None, None])
 
 
 def test_backend_entry_point_in_a_fresh_process(tmp_path):

@@ -9,8 +9,8 @@ each variant's allocations into sites of the model's one arena.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -46,6 +46,7 @@ class Variants:
     lora: fx.GraphModule | None  # None: no module of this graph carries LoRA
     nolora: fx.GraphModule
     rewritten: frozenset[str]  # the modules whose LoRA ``lora`` runs
+    left: Mapping[str, str] = field(default_factory=dict)  # targets the passes left as traced -> why
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -66,7 +67,8 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> Variants:
     for p in PIPELINE:
         gm = p(gm, ctx)
     lora = gm if any(n.target in LORA_OPS for n in gm.graph.nodes) else None
-    return Variants(hoist(lora, ctx) if lora is not None else None, hoist(nolora, ctx), frozenset(ctx.rewritten))
+    lora = hoist(lora, ctx) if lora is not None else None
+    return Variants(lora, hoist(nolora, ctx), frozenset(ctx.rewritten), dict(ctx.left))
 
 
 __all__ = ["LORA_OPS", "PIPELINE", "PassContext", "Variants", "hoist", "run_pipeline"]

@@ -3,6 +3,7 @@ the report ``explain()`` prints."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,16 @@ class PassContext:
     inputs: list | None = None  # the real values of the graph's placeholders (Dynamo's example inputs)
     modules: ModuleTree | None = None  # the traced model's module tree, when known
     decode_attention: bool = False  # rewrite decode-step SDPA over the KV cache (for code run on CUDA)
+    left: dict[str, str] = field(default_factory=dict)  # pool target FQN -> why a pass left it as traced
 
     def note(self, line: str) -> None:
         if line not in self.report:  # passes that look at the same calls may say the same thing
             self.report.append(line)
+
+    def leave(self, fqn: str, why: str, targets: Iterable[str] = ()) -> None:
+        """A pass leaves module ``fqn`` as traced: said in ``explain()``, and kept, for each of
+        its pool ``targets`` (the module itself by default), for the error of a row whose
+        adapter needs that LoRA."""
+        self.note(f"skipped {fqn}: {why}")
+        for target in targets or (fqn,):
+            self.left.setdefault(target, why)

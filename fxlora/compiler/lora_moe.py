@@ -24,7 +24,7 @@ import torch.fx as fx
 from fxlora.adapters import experts
 from fxlora.compiler.batch_info import batch_info_for
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import fake_value, meta_value, pool_nodes
+from fxlora.compiler.graph_edit import fake_value, input_values, meta_value, pool_nodes
 from fxlora.errors import NotServed
 from fxlora.ops.moe_lora import moe_routing_workspace, moe_workspace
 
@@ -37,7 +37,7 @@ def lora_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if target.info.kind == "experts":
             owner, _, param = fqn.rpartition(".")
             groups[owner][param] = target
-    values = _input_values(gm, ctx)
+    values = input_values(gm, ctx)
     for owner, targets in groups.items():
         region = [n for n in gm.graph.nodes if n.op.startswith("call") and _inside(n.meta.get("fxlora_module"), owner)]
         if not region:
@@ -45,7 +45,7 @@ def lora_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         try:
             _rewrite(gm, ctx, owner, targets, region, values)
         except NotServed as why:
-            ctx.note(f"skipped {owner}: {why}")
+            ctx.leave(owner, str(why), [f"{owner}.{p}" for p in targets])
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -53,21 +53,6 @@ def lora_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def _inside(fqn: str | None, owner: str) -> bool:
     return fqn is not None and (fqn == owner or fqn.startswith(owner + "."))
-
-
-def _input_values(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, object]:
-    """The real tensors behind placeholders (Dynamo's example inputs) and ``get_attr`` nodes."""
-    values: dict[fx.Node, object] = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, ctx.inputs or ()):
-        values[node] = value
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            try:
-                values[node] = gm.get_parameter(node.target)
-            except AttributeError:
-                continue
-    return values
 
 
 def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.Node], values) -> None:

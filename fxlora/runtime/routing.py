@@ -40,14 +40,16 @@ class Selection:
     slots are pinned (an adapter unloaded meanwhile keeps its weights until :meth:`release`)
     and the modules the adapters change are noted. ``fixed`` slot ids
     serve every graph as they are. ``pools`` and ``modules`` record the pools the graphs
-    read and the modules whose LoRA ran. Code Dynamo does not compile (a graph break, a
-    frame it gave up on) runs the plain model; this is how a caller notices, instead of
-    returning base outputs for adapter rows."""
+    read and the modules whose LoRA ran; ``left``, the targets a graph that ran left as
+    traced, and why. Code Dynamo does not compile (a graph break, a frame it gave up on) runs
+    the plain model; this is how a caller notices, instead of returning base outputs for
+    adapter rows."""
 
     names: tuple[str | None, ...] | None = None
     fixed: torch.Tensor | None = None
     pools: dict[int, AdapterPool] = field(default_factory=dict)
     modules: set[str] = field(default_factory=set)
+    left: dict[str, str] = field(default_factory=dict)
     _held: dict[int, tuple[list[int], set[str]]] = field(default_factory=dict)  # pool -> (slots, needed)
     _tensors: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
 
@@ -74,9 +76,19 @@ class Selection:
     def uses_adapters(self) -> bool:
         return self.names is not None and any(n is not None for n in self.names)
 
-    def require(self, needed: set[str]) -> None:
-        """Raise if the LoRA of a module in ``needed`` did not run."""
-        if missing := needed - self.modules:
+    def require(self, needed: set[str], pool: AdapterPool | None = None) -> None:
+        """Raise if the LoRA of a module in ``needed`` did not run; the error names the
+        adapters of ``pool`` that need it, where the compiler said why it left it out."""
+        missing = needed - self.modules
+        if left := sorted(missing & self.left.keys()):
+            fqn = left[0]
+            adapters = pool.adapters if pool is not None else {}
+            users = sorted(n for n in set(self.names or ()) - {None} if fqn in getattr(adapters.get(n), "modules", ()))
+            raise LoraNotRunError(
+                f"adapter(s) {users}: the LoRA of {len(missing)} module(s), e.g. {fqn!r}, did not run: the compiler "
+                f"left it as traced: {self.left[fqn]}. See explain()."
+            )
+        if missing:
             raise LoraNotRunError(
                 f"the LoRA of {len(missing)} module(s), e.g. {sorted(missing)[0]!r}, did not run: that code ran "
                 "outside the compiled graphs (a graph break, or Dynamo's recompile limit was hit). See explain() "
@@ -94,8 +106,8 @@ class Selection:
                 "compiled graphs (Dynamo's recompile limit was hit, or nothing compiled with the fxlora backend "
                 "was called inside use_adapters). See TORCH_LOGS=recompiles."
             )
-        for _, needed in self._held.values():
-            self.require(needed)
+        for pool_id, (_, needed) in self._held.items():
+            self.require(needed, self.pools[pool_id])
 
 
 def _to_slot_tensor(slots: list[int], device: torch.device) -> torch.Tensor:
@@ -192,6 +204,7 @@ class Router:
         self.lock = lock or threading.RLock()
         self.graphs = graphs
         self.lora_modules = variants.rewritten
+        self.left = variants.left
         candidates = (("lora", variants.lora), ("nolora", variants.nolora)) if graphs is not None else ()
         self.uncapturable = {v: cpu_work(g) for v, g in candidates if g is not None}
         self.lora = compile_inner(variants.lora, inner) if variants.lora is not None else None
@@ -203,6 +216,8 @@ class Router:
             warn_unnamed(self.pool)
             selection = Selection()
         slot_ids = selection.slot_ids(self.pool, self.device)
+        if slot_ids is not None and self.left:
+            selection.left.update(self.left)
         if slot_ids is None or self.lora is None:
             return self._run("nolora", args)
         selection.modules |= self.lora_modules  # a graph runs whole or raises

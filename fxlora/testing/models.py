@@ -107,7 +107,8 @@ def lora_module_names(model: torch.nn.Module) -> list[str]:
     from fxlora.adapters import model_modules
 
     shared = {"wpe", "embed_positions"}
-    return sorted({n for name in model_modules(model) if (n := name.rsplit(".", 1)[-1]) not in shared})
+    modules = model_modules(model)
+    return sorted({n for name, info in modules.items() if (n := name.rsplit(".", 1)[-1]) not in shared and not info.parameter})
 
 
 def layered_module_names(model: torch.nn.Module) -> list[str]:
@@ -115,7 +116,8 @@ def layered_module_names(model: torch.nn.Module) -> list[str]:
     ``layers_to_transform`` can select)."""
     from fxlora.adapters import model_modules
 
-    return sorted({name.rsplit(".", 1)[-1] for name in model_modules(model) if re.search(r"\.\d+\.", name)})
+    modules = model_modules(model)
+    return sorted({name.rsplit(".", 1)[-1] for name, info in modules.items() if re.search(r"\.\d+\.", name) and not info.parameter})
 
 
 @torch.no_grad()

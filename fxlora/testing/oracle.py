@@ -105,14 +105,15 @@ def _per_adapter_logits(
 @torch.no_grad()
 def merged_model(model: torch.nn.Module, adapter: Any) -> torch.nn.Module:
     """A copy of ``model`` with ``adapter`` (anything :func:`fxlora.adapters.read_adapter`
-    takes) folded into its weights: ``W += scaling * B @ A`` for every module it touches, and
-    for every expert of an experts parameter it touches, in any of the experts formats."""
+    takes) folded into its weights: ``W += scaling * B @ A`` for every module (or 2-D
+    parameter) it touches, and for every expert of an experts parameter it touches, in any of
+    the experts formats."""
     from transformers.pytorch_utils import Conv1D
 
-    from fxlora.adapters import experts, read_adapter
+    from fxlora.adapters import ModuleInfo, placement, read_adapter
 
     merged = copy.deepcopy(model)
-    for fqn, f in experts.resolve(read_adapter("merged", adapter), merged).modules.items():
+    for fqn, f in placement.resolve(read_adapter("merged", adapter), merged).modules.items():
         if f.kind == "experts":  # W[e] += scaling * B[e] @ A[e], on the stored layout
             owner, _, name = fqn.rpartition(".")
             module, weight = merged.get_submodule(owner), getattr(merged.get_submodule(owner), name)
@@ -124,9 +125,12 @@ def merged_model(model: torch.nn.Module, adapter: Any) -> torch.nn.Module:
         delta = f.scaling * (f.b.double() @ f.a.double())  # (out, in); for an embedding (dim, vocab)
         if isinstance(module, (Conv1D, torch.nn.Embedding)):  # weights stored (in, out) / (vocab, dim)
             delta = delta.T
+        info = ModuleInfo.of(module) or ModuleInfo.over_parameter(module)  # a router: its one 2-D parameter
+        name = info.parameter or "weight"
+        weight = getattr(module, name)
         # a new tensor, not in place: tied weights (lm_head and embed_tokens) stay the base's
         # in the other module, as with unmerged LoRA
-        module.weight = torch.nn.Parameter(module.weight + delta.to(module.weight.dtype), requires_grad=False)
+        setattr(module, name, torch.nn.Parameter(weight + delta.to(weight.dtype), requires_grad=False))
     return merged.eval()
 
 
