@@ -8,8 +8,8 @@ each variant's allocations into sites of the model's one arena.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -44,6 +44,7 @@ class Variants:
     lora: fx.GraphModule | None  # None: no module of this graph carries LoRA
     nolora: fx.GraphModule
     rewritten: frozenset[str]  # the modules whose LoRA ``lora`` runs
+    skipped: Mapping[str, str] = field(default_factory=dict)  # targets left as traced -> why
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -61,7 +62,9 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> Variants:
     for p in PIPELINE:
         gm = p(gm, ctx)
     lora = gm if any(n.target in LORA_OPS for n in gm.graph.nodes) else None
-    return Variants(hoist(lora, ctx) if lora is not None else None, hoist(nolora, ctx), frozenset(ctx.rewritten))
+    return Variants(
+        hoist(lora, ctx) if lora is not None else None, hoist(nolora, ctx), frozenset(ctx.rewritten), dict(ctx.skipped)
+    )
 
 
 __all__ = ["LORA_OPS", "PIPELINE", "PassContext", "Variants", "hoist", "run_pipeline"]

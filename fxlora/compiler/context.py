@@ -21,7 +21,15 @@ class PassContext:
     arena: Arena | None = None  # where ``hoist`` places allocations; None: leave them
     inputs: list | None = None  # the real values of the graph's placeholders (Dynamo's example inputs)
     modules: ModuleTree | None = None  # the traced model's module tree, when known
+    skipped: dict[str, str] = field(default_factory=dict)  # target FQN -> why its LoRA is not served
 
     def note(self, line: str) -> None:
         if line not in self.report:  # passes that look at the same calls may say the same thing
             self.report.append(line)
+
+    def skip(self, module: str, why: str, targets: list[str] | None = None) -> None:
+        """``module`` stays as traced: report why, and keep the reason for each of its pool
+        ``targets`` (default: the module itself), so a row that needs one hears it."""
+        self.note(f"skipped {module}: {why}")
+        for fqn in targets or [module]:
+            self.skipped.setdefault(fqn, why)

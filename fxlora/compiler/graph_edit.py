@@ -29,7 +29,7 @@ def base_calls(
         if target.info.kind != kind:
             continue
         if len(nodes) > 1:
-            ctx.note(f"skipped {fqn}: its forward makes {len(nodes)} {kind} calls")
+            ctx.skip(fqn, f"its forward makes {len(nodes)} {kind} calls")
             continue
         yield target, nodes[0]
 

@@ -24,7 +24,7 @@ def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for target, node in list(base_calls(gm, ctx, "embedding", lambda n: n.target in EMBEDDING)):
         fqn = target.fqn
         if node.target is F.embedding and call_arg(node, 3, "max_norm") is not None:
-            ctx.note(f"skipped {fqn}: embedding with max_norm renormalises its weight in place")
+            ctx.skip(fqn, "embedding with max_norm renormalises its weight in place")
             continue
         ids, weight = embedding_args(node)
         with gm.graph.inserting_before(node):

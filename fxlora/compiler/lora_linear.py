@@ -34,7 +34,7 @@ def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             x, weight, bias = call_arg(node, 0, "input"), call_arg(node, 1, "weight"), call_arg(node, 2, "bias")
         shape, want = meta_shape(weight), (target.info.out_features, target.info.in_features)
         if shape is not None and shape != (want[::-1] if conv1d else want):
-            ctx.note(f"skipped {fqn}: linear weight {shape} does not fit the module's {want}")
+            ctx.skip(fqn, f"linear weight {shape} does not fit the module's {want}")
             continue
         with gm.graph.inserting_before(node):
             if conv1d:

@@ -45,7 +45,7 @@ def lora_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         try:
             _rewrite(gm, ctx, owner, targets, region, values)
         except NotServed as why:
-            ctx.note(f"skipped {owner}: {why}")
+            ctx.skip(owner, str(why), [f"{owner}.{p}" for p in targets])
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -38,15 +38,16 @@ class Selection:
     ``names`` (one per row, ``None`` for the base model) are resolved once per pool: the
     slots are pinned (an adapter unloaded meanwhile keeps its weights until :meth:`release`)
     and the modules the adapters change are noted. ``fixed`` slot ids
-    serve every graph as they are. ``pools`` and ``modules`` record the pools the graphs
-    read and the modules whose LoRA ran. Code Dynamo does not compile (a graph break, a
-    frame it gave up on) runs the plain model; this is how a caller notices, instead of
-    returning base outputs for adapter rows."""
+    serve every graph as they are. ``pools`` and ``modules`` record the pools the graphs read and the modules whose LoRA
+    ran (``skipped``: those a graph left as traced, and why). Code Dynamo does not compile
+    (a graph break, a frame it gave up on) runs the plain model; this is how a caller
+    notices, instead of returning base outputs for adapter rows."""
 
     names: tuple[str | None, ...] | None = None
     fixed: torch.Tensor | None = None
     pools: dict[int, AdapterPool] = field(default_factory=dict)
     modules: set[str] = field(default_factory=set)
+    skipped: dict[str, str] = field(default_factory=dict)  # module -> why a graph that ran left its LoRA out
     _held: dict[int, tuple[list[int], set[str]]] = field(default_factory=dict)  # pool -> (slots, needed)
     _tensors: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
 
@@ -76,6 +77,12 @@ class Selection:
     def require(self, needed: set[str]) -> None:
         """Raise if the LoRA of a module in ``needed`` did not run."""
         if missing := needed - self.modules:
+            left = sorted(m for m in missing if m in self.skipped)
+            if left:
+                raise LoraNotRunError(
+                    f"the LoRA of {len(missing)} module(s), e.g. {left[0]!r}, did not run: fxlora left that module "
+                    f"as traced, because {self.skipped[left[0]]}. See explain()."
+                )
             raise LoraNotRunError(
                 f"the LoRA of {len(missing)} module(s), e.g. {sorted(missing)[0]!r}, did not run: that code ran "
                 "outside the compiled graphs (a graph break, or Dynamo's recompile limit was hit). See explain() "
@@ -189,6 +196,7 @@ class Router:
         self.lock = lock or threading.RLock()
         self.graphs = graphs
         self.lora_modules = variants.rewritten
+        self.skipped = variants.skipped
         candidates = (("lora", self.lora), ("nolora", self.nolora)) if graphs is not None else ()
         self.uncapturable = {v: cpu_work(g) for v, g in candidates if g is not None}
 
@@ -198,6 +206,7 @@ class Router:
             warn_unnamed(self.pool)
             selection = Selection()
         slot_ids = selection.slot_ids(self.pool, self.device)
+        selection.skipped.update(self.skipped)
         if slot_ids is None or self.lora is None:
             return self._run("nolora", args)
         selection.modules |= self.lora_modules  # a graph runs whole or raises
