@@ -20,7 +20,8 @@ import torch
 from fxlora.adapters import AdapterPool, experts, model_modules, read_adapter
 from fxlora.adapters.peft_format import AdapterSource
 from fxlora.compiler.annotate import ModuleTree
-from fxlora.errors import AdapterError
+from fxlora.compiler.experts_probe import choose_layout
+from fxlora.errors import AdapterError, NotServed
 from fxlora.runtime import Backend
 from fxlora.runtime.backend import raise_recompile_limit
 from fxlora.runtime.explain import report
@@ -253,6 +254,7 @@ def compile(
     for name, source in adapters.items():
         pool.load(experts.resolve(read_adapter(name, source), model))
     pool.register_modules(model_modules(model), complete=True)
+    _check_experts_gates(model, pool)
     config = getattr(model, "config", None)
     if getattr(config, "_experts_implementation", None) in (None, "eager") and any(
         experts.is_experts(m) for m in model.modules()
@@ -277,6 +279,22 @@ def compile(
     log.info("%d adapters in %d target modules", len(adapters), len(pool.targets))
     runtime = dict(max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs)
     return CompiledModel(model, backend, compiled, runtime)
+
+
+def _check_experts_gates(model: torch.nn.Module, pool: AdapterPool) -> None:
+    """Refuse, before anything is traced, experts modules the pool targets whose gate
+    ``fxlora::moe_lora`` cannot compute: no adapter could ever be served on them."""
+    owners: dict[str, list[str]] = {}
+    for fqn, target in pool.targets.items():
+        if target.info.kind == "experts":
+            owners.setdefault(fqn.rpartition(".")[0], []).append(fqn)
+    for owner, fqns in owners.items():
+        try:
+            choose_layout(model.get_submodule(owner))
+        except NotServed as why:
+            users = sorted(n for n, a in pool.adapters.items() if a.modules.keys() & set(fqns))
+            by = f" (adapter(s) {users})" if users else " (target_modules)"
+            raise AdapterError(f"experts module {owner!r} is targeted{by}, but {why}: fxlora cannot serve LoRA on it") from None
 
 
 def own_code_object(model: torch.nn.Module) -> Callable[..., Any]:
