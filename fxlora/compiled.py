@@ -69,22 +69,23 @@ class CompiledModel(torch.nn.Module):
 
     def forward(self, *args: Any, adapter_names: Sequence[str | None] | None = None, **kwargs: Any) -> Any:
         names = check_names(adapter_names)
-        rows = _batch_rows(args, kwargs)
+        # Views of a larger tensor would make Dynamo guard on their base and offset and
+        # retrace for each new slicing; a private copy of such small inputs avoids that.
+        args = tuple(_own(a) for a in args)
+        kwargs = {k: _own(v) for k, v in kwargs.items()}
+        batch = _batch_input(args, kwargs)  # graphs traced in this call find their rows through it
+        rows = batch.shape[0] if batch is not None and batch.dim() > 0 else None
         if rows == 0:
             raise ValueError("the batch has 0 rows: call with at least one")
         if names is None:
             warn_unnamed(self.pool)
         elif rows is not None and len(names) != rows:
             raise AdapterError(f"adapter_names has {len(names)} entries but the batch has {rows} rows")
-        # Views of a larger tensor would make Dynamo guard on their base and offset and
-        # retrace for each new slicing; a private copy of such small inputs avoids that.
-        args = tuple(_own(a) for a in args)
-        kwargs = {k: _own(v) for k, v in kwargs.items()}
         for t in (*args, *kwargs.values()):
             mark_batch_dims_dynamic(t)
         if not self._backend.records:
             log.info("tracing and compiling %s: the first call of each input layout takes a while", type(self.model).__name__)
-        with selecting(Selection(names=names)) as selection:
+        with selecting(Selection(names=names, batch=batch)) as selection:
             selection.slot_ids(self.pool, self._device)  # resolved once, here: unknown names fail before any work
             with self._backend.lock:
                 out = self._compiled(*args, **kwargs)
@@ -196,12 +197,13 @@ def _own(x: Any) -> Any:
     return x.clone() if isinstance(x, torch.Tensor) and x._base is not None else x
 
 
-def _batch_rows(args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+def _batch_input(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The input whose first dimension is the batch's rows."""
     for key in ("input_ids", "inputs_embeds"):
         if isinstance(kwargs.get(key), torch.Tensor):
-            return kwargs[key].shape[0]
+            return kwargs[key]
     if args and isinstance(args[0], torch.Tensor):
-        return args[0].shape[0]
+        return args[0]
     return None
 
 

@@ -22,6 +22,7 @@ class PassContext:
     inputs: list | None = None  # the real values of the graph's placeholders (Dynamo's example inputs)
     modules: ModuleTree | None = None  # the traced model's module tree, when known
     skipped: dict[str, str] = field(default_factory=dict)  # target FQN -> why its LoRA is not served
+    batch: object = None  # the input whose first dimension is the batch's rows (a real tensor), when known
 
     def note(self, line: str) -> None:
         if line not in self.report:  # passes that look at the same calls may say the same thing

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import experts
-from fxlora.compiler.batch_info import batch_info_for
+from fxlora.compiler.batch_info import batch_info_for, row_dim
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.experts_probe import choose_layout, prove_region
 from fxlora.compiler.graph_edit import fake_value, meta_value, pool_nodes
@@ -88,12 +88,13 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
     if len(outputs) != 1:
         raise NotServed(f"its traced region has {len(outputs)} outputs, not one")
     hidden, top_k_index, top_k_weights, found, up_name = _match_inputs(region, module, values)
+    rows = row_dim(gm, ctx, hidden, feature_dims=1)
     bundles = [_bundle(targets.get(n)) for n in (up_name, "down_proj")]
     prove_region(module, layout, tuple(meta_value(n) for n in (hidden, top_k_index, top_k_weights)), *bundles)
     output = outputs[0]
     with gm.graph.inserting_before(output.next):
         up_lora, down_lora = (pool_nodes(gm, targets[n]) if n in targets else [] for n in (up_name, "down_proj"))
-        token_slot = batch_info_for(gm, ctx, hidden, feature_dims=1)[0]
+        token_slot = batch_info_for(gm, ctx, hidden, 1, rows)[0]
         pool_a = (up_lora or down_lora)[0]
         a_value = next(t.lora_a for t in targets.values())
         workspace = gm.graph.call_function(moe_workspace, (top_k_index, pool_a))

@@ -29,7 +29,7 @@ from fxlora.compiler.arena import Arena
 from fxlora.errors import AdapterError
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.explain import GraphRecord
-from fxlora.runtime.routing import Router
+from fxlora.runtime.routing import Router, current_selection
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ class Backend:
         return cls(pool, cuda_graphs=bool(options.get("cuda_graphs", False)))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
-        ctx = PassContext(self.pool, arena=self.arena, inputs=list(example_inputs), modules=self.modules)
+        selection = current_selection()
+        batch = selection.batch if selection is not None else None
+        ctx = PassContext(self.pool, arena=self.arena, inputs=list(example_inputs), modules=self.modules, batch=batch)
         variants = run_pipeline(gm, ctx)
         devices = {self.pool.targets[fqn].info.device for fqn in variants.rewritten}
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)

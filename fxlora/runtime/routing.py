@@ -38,13 +38,16 @@ class Selection:
     ``names`` (one per row, ``None`` for the base model) are resolved once per pool: the
     slots are pinned (an adapter unloaded meanwhile keeps its weights until :meth:`release`)
     and the modules the adapters change are noted. ``fixed`` slot ids
-    serve every graph as they are. ``pools`` and ``modules`` record the pools the graphs read and the modules whose LoRA
+    serve every graph as they are. ``batch``, when the caller knows it, is the input whose
+    first dimension the rows are: a graph traced in the call finds its rows through it.
+    ``pools`` and ``modules`` record the pools the graphs read and the modules whose LoRA
     ran (``skipped``: those a graph left as traced, and why). Code Dynamo does not compile
     (a graph break, a frame it gave up on) runs the plain model; this is how a caller
     notices, instead of returning base outputs for adapter rows."""
 
     names: tuple[str | None, ...] | None = None
     fixed: torch.Tensor | None = None
+    batch: torch.Tensor | None = None  # the input whose first dimension the rows are counted by
     pools: dict[int, AdapterPool] = field(default_factory=dict)
     modules: set[str] = field(default_factory=set)
     skipped: dict[str, str] = field(default_factory=dict)  # module -> why a graph that ran left its LoRA out
@@ -148,10 +151,11 @@ def check_names(adapter_names: Sequence[str | None] | None) -> tuple[str | None,
 
 
 @contextlib.contextmanager
-def use_slots(slot_ids: torch.Tensor | None) -> Iterator[Selection]:
+def use_slots(slot_ids: torch.Tensor | None, batch: torch.Tensor | None = None) -> Iterator[Selection]:
     """Calls made inside run ``lora`` with these per-row slot ids (int32, on the graphs'
-    device, :data:`NO_ADAPTER` for no adapter), or ``nolora`` when ``slot_ids`` is None."""
-    with selecting(Selection(fixed=slot_ids)) as selection:
+    device, :data:`NO_ADAPTER` for no adapter), or ``nolora`` when ``slot_ids`` is None;
+    ``batch``: the input whose first dimension the rows are."""
+    with selecting(Selection(fixed=slot_ids, batch=batch)) as selection:
         yield selection
 
 
