@@ -312,6 +312,8 @@ def test_the_layout_is_what_the_module_computes(family, config_class, experts_cl
     config = getattr(transformers, config_class)(hidden_size=16, num_attention_heads=2, **fields)
     config._experts_implementation = "eager"
     module = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), experts_class)(config)
+    if not experts.is_experts(module):
+        pytest.skip(f"{experts_class} is not a transformers experts module in {transformers.__version__}")
     torch.manual_seed(0)
     for p in module.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -336,7 +338,8 @@ def _aria(**overrides):
                             moe_num_shared_experts=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, **overrides)  # fmt: skip
     model = AriaTextForCausalLM(config).eval()
     fill_zero_weights(model, 0.5)
-    model.set_experts_implementation("grouped_mm")
+    if any(experts.is_experts(m) for m in model.modules()):  # an older transformers' Aria has its own MoE
+        model.set_experts_implementation("grouped_mm")
     return model
 
 
@@ -345,7 +348,9 @@ def test_the_activation_is_the_modules_not_the_configs():
     the activation the module computes, and every row, None rows included, matches."""
     torch._dynamo.reset()
     model = _aria(hidden_act="gelu")
-    module = next(m for m in model.modules() if experts.is_experts(m))
+    module = next((m for m in model.modules() if experts.is_experts(m)), None)
+    if module is None:
+        pytest.skip("this transformers' Aria has no transformers experts module")
     assert choose_layout(module).act == "silu" and model.config.hidden_act == "gelu"
     adapters = _adapters(model, "aria")
     cm = fxlora.compile(model, adapters, max_loras=2, max_rank=8)
