@@ -20,7 +20,8 @@ import torch
 from fxlora.adapters import AdapterPool, experts, model_modules, placement, read_adapter
 from fxlora.adapters.peft_format import AdapterSource
 from fxlora.compiler.annotate import ModuleTree
-from fxlora.errors import AdapterError
+from fxlora.compiler.experts_probe import choose_layout
+from fxlora.errors import AdapterError, NotServed
 from fxlora.runtime import Backend
 from fxlora.runtime.backend import raise_recompile_limit
 from fxlora.runtime.explain import report
@@ -68,22 +69,23 @@ class CompiledModel(torch.nn.Module):
 
     def forward(self, *args: Any, adapter_names: Sequence[str | None] | None = None, **kwargs: Any) -> Any:
         names = check_names(adapter_names)
-        rows = _batch_rows(args, kwargs)
+        # Views of a larger tensor would make Dynamo guard on their base and offset and
+        # retrace for each new slicing; a private copy of such small inputs avoids that.
+        args = tuple(_own(a) for a in args)
+        kwargs = {k: _own(v) for k, v in kwargs.items()}
+        batch = _batch_input(args, kwargs)  # graphs traced in this call find their rows through it
+        rows = batch.shape[0] if batch is not None and batch.dim() > 0 else None
         if rows == 0:
             raise ValueError("the batch has 0 rows: call with at least one")
         if names is None:
             warn_unnamed(self.pool)
         elif rows is not None and len(names) != rows:
             raise AdapterError(f"adapter_names has {len(names)} entries but the batch has {rows} rows")
-        # Views of a larger tensor would make Dynamo guard on their base and offset and
-        # retrace for each new slicing; a private copy of such small inputs avoids that.
-        args = tuple(_own(a) for a in args)
-        kwargs = {k: _own(v) for k, v in kwargs.items()}
         for t in (*args, *kwargs.values()):
             mark_batch_dims_dynamic(t)
         if not self._backend.records:
             log.info("tracing and compiling %s: the first call of each input layout takes a while", type(self.model).__name__)
-        with selecting(Selection(names=names)) as selection:
+        with selecting(Selection(names=names, batch=batch)) as selection:
             selection.slot_ids(self.pool, self._device)  # resolved once, here: unknown names fail before any work
             with self._backend.lock:
                 out = self._compiled(*args, **kwargs)
@@ -195,12 +197,13 @@ def _own(x: Any) -> Any:
     return x.clone() if isinstance(x, torch.Tensor) and x._base is not None else x
 
 
-def _batch_rows(args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+def _batch_input(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The input whose first dimension is the batch's rows."""
     for key in ("input_ids", "inputs_embeds"):
         if isinstance(kwargs.get(key), torch.Tensor):
-            return kwargs[key].shape[0]
+            return kwargs[key]
     if args and isinstance(args[0], torch.Tensor):
-        return args[0].shape[0]
+        return args[0]
     return None
 
 
@@ -258,6 +261,7 @@ def compile(
     for name, source in adapters.items():
         pool.load(placement.resolve(read_adapter(name, source), model))
     pool.register_modules(model_modules(model), complete=True)
+    _check_experts_gates(model, pool)
     config = getattr(model, "config", None)
     if getattr(config, "_experts_implementation", None) in (None, "eager") and any(
         experts.is_experts(m) for m in model.modules()
@@ -282,6 +286,22 @@ def compile(
     log.info("%d adapters in %d target modules", len(adapters), len(pool.targets))
     runtime = dict(max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs)
     return CompiledModel(model, backend, compiled, runtime)
+
+
+def _check_experts_gates(model: torch.nn.Module, pool: AdapterPool) -> None:
+    """Refuse, before anything is traced, experts modules the pool targets whose gate
+    ``fxlora::moe_lora`` cannot compute: no adapter could ever be served on them."""
+    owners: dict[str, list[str]] = {}
+    for fqn, target in pool.targets.items():
+        if target.info.kind == "experts":
+            owners.setdefault(fqn.rpartition(".")[0], []).append(fqn)
+    for owner, fqns in owners.items():
+        try:
+            choose_layout(model.get_submodule(owner))
+        except NotServed as why:
+            users = sorted(n for n, a in pool.adapters.items() if a.modules.keys() & set(fqns))
+            by = f" (adapter(s) {users})" if users else " (target_modules)"
+            raise AdapterError(f"experts module {owner!r} is targeted{by}, but {why}: fxlora cannot serve LoRA on it") from None
 
 
 def own_code_object(model: torch.nn.Module) -> Callable[..., Any]:

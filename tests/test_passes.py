@@ -181,3 +181,72 @@ def test_fuse_leaves_linears_a_graph_already_reads_alone():
 def test_fused_groups_fit_the_expands():
     sgmv = pytest.importorskip("fxlora.ops.triton.sgmv")
     assert MAX_MEMBERS == sgmv.MAX_SLICES
+
+
+class _TimeMajor(torch.nn.Module):
+    """Embeds and projects ``(seq, batch)`` tokens, as XLNet does; ``flatten`` runs the
+    projection on the ``(seq·batch, hidden)`` flattening instead, or on the row-major one."""
+
+    def __init__(self, flatten: str | None = None):
+        super().__init__()
+        self.emb, self.lin, self.head = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 6), torch.nn.Linear(6, 5)
+        self.flatten = flatten
+
+    def forward(self, ids):
+        h = self.emb(ids.transpose(0, 1))  # (seq, batch, 8)
+        if self.flatten == "time-major":
+            h = self.lin(h.reshape(-1, 8)).view(ids.shape[1], ids.shape[0], 6)
+        elif self.flatten == "row-major":
+            h = self.lin(h.transpose(0, 1).reshape(-1, 8)).view(*ids.shape, 6).transpose(0, 1)
+        else:
+            h = self.lin(h)
+        return self.head(torch.relu(h)).transpose(0, 1)  # (batch, seq, 5)
+
+
+def _time_major_case(flatten):
+    from peft import LoraConfig
+
+    import fxlora
+    from fxlora.testing import make_adapter, peft_model_with
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TimeMajor(flatten).eval()
+    adapters = {n: make_adapter(model, LoraConfig(r=2, lora_alpha=4, target_modules=["emb", "lin"]), seed=i,
+                                directory="") for i, n in enumerate("ab")}  # fmt: skip
+    return model, adapters, fxlora.compile(model, adapters, max_loras=2, max_rank=4), peft_model_with(model, adapters)
+
+
+@pytest.mark.parametrize("flatten", [None, "row-major"])
+def test_rows_of_a_time_major_model_follow_the_batch_dimension(flatten):
+    """With seq == batch every dimension has the batch's size; the rows are found by the
+    traced symbol of the batch input's first dimension, each row against PEFT on its own."""
+    model, adapters, cm, peft_model = _time_major_case(flatten)
+    names = ["a", None, "b", "a"]
+    for seq in (4, 6):
+        ids = torch.randint(0, 11, (4, seq), generator=torch.Generator().manual_seed(seq))
+        with torch.no_grad():
+            out = cm(ids, adapter_names=names)
+            for i, name in enumerate(names):
+                if name is None:
+                    want = model(ids[i : i + 1])
+                else:
+                    peft_model.set_adapter(name)
+                    want = peft_model(ids[i : i + 1])
+                torch.testing.assert_close(out[i : i + 1], want, rtol=1e-5, atol=1e-6)
+    assert cm.compile_count == 1 and set(cm.backend.rewritten) == {"emb", "lin"}
+
+
+def test_rows_a_flattening_hides_are_not_served():
+    """A ``(seq·batch, hidden)`` input in time-major order: no dimension of its own holds the
+    rows, so the module keeps its base computation and a row that needs its LoRA says why."""
+    from fxlora import LoraNotRunError
+
+    model, _, cm, _ = _time_major_case("time-major")
+    ids = torch.randint(0, 11, (3, 3))
+    with torch.no_grad():
+        assert torch.equal(cm(ids, adapter_names=[None, None, None]), model(ids))
+        with pytest.raises(LoraNotRunError, match=r"'lin', did not run: fxlora left that module as traced, because "
+                           r"cannot tell which of its input's token dimensions \(s\d+\*s\d+,\) hold the batch's s\d+ rows"):
+            cm(ids, adapter_names=["a", None, "b"])
+    assert cm.backend.rewritten == {"emb": "fxlora::lora_embedding"}

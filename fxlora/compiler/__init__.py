@@ -46,7 +46,7 @@ class Variants:
     lora: fx.GraphModule | None  # None: no module of this graph carries LoRA
     nolora: fx.GraphModule
     rewritten: frozenset[str]  # the modules whose LoRA ``lora`` runs
-    left: Mapping[str, str] = field(default_factory=dict)  # targets the passes left as traced -> why
+    left_traced: Mapping[str, str] = field(default_factory=dict)  # targets the passes left as traced -> why
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -68,7 +68,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> Variants:
         gm = p(gm, ctx)
     lora = gm if any(n.target in LORA_OPS for n in gm.graph.nodes) else None
     lora = hoist(lora, ctx) if lora is not None else None
-    return Variants(lora, hoist(nolora, ctx), frozenset(ctx.rewritten), dict(ctx.left))
+    return Variants(lora, hoist(nolora, ctx), frozenset(ctx.rewritten), dict(ctx.left_traced))
 
 
 __all__ = ["LORA_OPS", "PIPELINE", "PassContext", "Variants", "hoist", "run_pipeline"]

@@ -23,16 +23,17 @@ class PassContext:
     inputs: list | None = None  # the real values of the graph's placeholders (Dynamo's example inputs)
     modules: ModuleTree | None = None  # the traced model's module tree, when known
     decode_attention: bool = False  # rewrite decode-step SDPA over the KV cache (for code run on CUDA)
-    left: dict[str, str] = field(default_factory=dict)  # pool target FQN -> why a pass left it as traced
+    batch: object = None  # the input whose first dimension is the batch's rows (a real tensor), when known
+    left_traced: dict[str, str] = field(default_factory=dict)  # pool target FQN -> why a pass left it as traced
 
     def note(self, line: str) -> None:
         if line not in self.report:  # passes that look at the same calls may say the same thing
             self.report.append(line)
 
-    def leave(self, fqn: str, why: str, targets: Iterable[str] = ()) -> None:
-        """A pass leaves module ``fqn`` as traced: said in ``explain()``, and kept, for each of
-        its pool ``targets`` (the module itself by default), for the error of a row whose
-        adapter needs that LoRA."""
-        self.note(f"skipped {fqn}: {why}")
-        for target in targets or (fqn,):
-            self.left.setdefault(target, why)
+    def leave_traced(self, module: str, why: str, targets: Iterable[str] = ()) -> None:
+        """A pass leaves ``module`` as traced: said in ``explain()``, and kept, for each of its
+        pool ``targets`` (the module itself by default), for the error of a row whose adapter
+        needs that LoRA."""
+        self.note(f"skipped {module}: {why}")
+        for target in targets or (module,):
+            self.left_traced.setdefault(target, why)

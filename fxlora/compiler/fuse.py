@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from fxlora.adapters import PoolTarget
 from fxlora.compiler.annotate import LINEAR
+from fxlora.compiler.batch_info import row_dim
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.graph_edit import base_calls, call_arg, meta_shape, meta_value
 from fxlora.compiler.lora_linear import lora_operands
@@ -64,6 +65,10 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
         ctx.note(f"not fused {', '.join(fqns)}: a weight is computed after the call of {fqns[0]}")
         return []
     try:
+        rows = row_dim(gm, ctx, x, feature_dims=1)
+    except NotServed:  # lora_linear, next, reports each member
+        return []
+    try:
         group = ctx.pool.join(fqns)
     except NotServed as why:
         ctx.note(f"not fused {', '.join(fqns)}: {why}")
@@ -72,7 +77,7 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
         first.prepend(a)
     graph = gm.graph
     with graph.inserting_before(first):
-        lora, batch, _ = lora_operands(gm, ctx, x, group, workspace=False)
+        lora, batch, _ = lora_operands(gm, ctx, x, group, rows, workspace=False)
         fused = graph.call_function(torch.ops.fxlora.lora_linear_fused.default, (x, weights, biases, lora, batch))
         fused.meta["fxlora_module"] = os.path.commonprefix([f + "." for f in fqns]).rpartition(".")[0]
         fused.meta["example_value"] = [meta_value(n) for _, n in members]

@@ -42,14 +42,14 @@ def base_calls(
             values = input_values(gm, ctx) if values is None else values
             nodes = [n for n in nodes if reads_parameter(call_arg(n, 1, "weight"), target.info.weight, values)]
             if not nodes:
-                ctx.leave(
+                ctx.leave_traced(
                     fqn,
                     f"no {kind} call of its forward reads its parameter {target.info.parameter!r} (directly or "
                     "through a dtype cast), which its LoRA adapts",
                 )
                 continue
         if len(nodes) > 1:
-            ctx.leave(fqn, f"its forward makes {len(nodes)} {kind} calls")
+            ctx.leave_traced(fqn, f"its forward makes {len(nodes)} {kind} calls")
             continue
         yield target, nodes[0]
 

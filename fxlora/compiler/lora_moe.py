@@ -9,8 +9,10 @@ tensors. The op is inserted after the region and takes over its users, and the r
 nodes, dead then, are erased (``nolora``, copied before this pass, keeps the region exactly
 as traced). Each projection's factors go in as one bundle (``pool_nodes``; an empty list for
 a projection no adapter targets). The layout (transposed weights, the gate, the activation)
-is read from the experts class (:func:`fxlora.adapters.experts.layout`) and handed to the
-op by name. A module whose layout or region the op cannot serve is left alone and reported.
+is the one whose gate computes as the module's own (:mod:`fxlora.compiler.experts_probe`),
+handed to the op by name; before the region is touched, the op with no adapter is run
+against the module's ``forward`` on a probe, since rows without an adapter run the op too.
+A module whose layout, probe or region the op cannot serve is left alone and reported.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import experts
-from fxlora.compiler.batch_info import batch_info_for
+from fxlora.compiler.batch_info import batch_info_for, row_dim
 from fxlora.compiler.context import PassContext
+from fxlora.compiler.experts_probe import choose_layout, prove_region
 from fxlora.compiler.graph_edit import fake_value, input_values, meta_value, pool_nodes
 from fxlora.errors import NotServed
 from fxlora.ops.moe_lora import moe_routing_workspace, moe_workspace
@@ -45,7 +48,7 @@ def lora_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         try:
             _rewrite(gm, ctx, owner, targets, region, values)
         except NotServed as why:
-            ctx.leave(owner, str(why), [f"{owner}.{p}" for p in targets])
+            ctx.leave_traced(owner, str(why), [f"{owner}.{p}" for p in targets])
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -57,7 +60,7 @@ def _inside(fqn: str | None, owner: str) -> bool:
 
 def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.Node], values) -> None:
     module = next(iter(targets.values())).info.owner
-    layout = experts.layout(module)
+    layout = choose_layout(module)
     # size arithmetic (SymInts under dynamic shapes) computed from the region's inputs alone
     # stays in both variants: code after the region may reuse it
     inside, sizes = set(region), set()
@@ -70,10 +73,13 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
     if len(outputs) != 1:
         raise NotServed(f"its traced region has {len(outputs)} outputs, not one")
     hidden, top_k_index, top_k_weights, found, up_name = _match_inputs(region, module, values)
+    rows = row_dim(gm, ctx, hidden, feature_dims=1)
+    bundles = [_bundle(targets.get(n)) for n in (up_name, "down_proj")]
+    prove_region(module, layout, tuple(meta_value(n) for n in (hidden, top_k_index, top_k_weights)), *bundles)
     output = outputs[0]
     with gm.graph.inserting_before(output.next):
         up_lora, down_lora = (pool_nodes(gm, targets[n]) if n in targets else [] for n in (up_name, "down_proj"))
-        token_slot = batch_info_for(gm, ctx, hidden, feature_dims=1)[0]
+        token_slot = batch_info_for(gm, ctx, hidden, 1, rows)[0]
         pool_a = (up_lora or down_lora)[0]
         a_value = next(t.lora_a for t in targets.values())
         workspace = gm.graph.call_function(moe_workspace, (top_k_index, pool_a))
@@ -93,6 +99,11 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         gm.graph.erase_node(n)
     for p in targets:
         ctx.rewritten[f"{owner}.{p}"] = OP
+
+
+def _bundle(target) -> list[torch.Tensor]:
+    """A pool target's tensors as the op's ``lora`` bundle (empty: no adapter targets it)."""
+    return [] if target is None else [target.lora_a, target.lora_b, target.scaling, target.rank]
 
 
 def _match_inputs(

@@ -30,7 +30,7 @@ from fxlora.compiler.inner import resolve as resolve_inner
 from fxlora.errors import AdapterError
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.explain import GraphRecord
-from fxlora.runtime.routing import Router
+from fxlora.runtime.routing import Router, current_selection
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,14 @@ class Backend:
         first = _first_device(example_inputs)
         inner = resolve_inner(self.inner, first)
         arena = self.arena if inner == "eager" else None  # Inductor plans the graph's memory itself
+        selection = current_selection()
         ctx = PassContext(
-            self.pool, arena=arena, inputs=list(example_inputs), modules=self.modules, decode_attention=first.type == "cuda"
+            self.pool,
+            arena=arena,
+            inputs=list(example_inputs),
+            modules=self.modules,
+            decode_attention=first.type == "cuda",
+            batch=selection.batch if selection is not None else None,
         )
         variants = run_pipeline(gm, ctx)
         devices = {self.pool.targets[fqn].info.device for fqn in variants.rewritten}

@@ -39,17 +39,19 @@ class Selection:
     ``names`` (one per row, ``None`` for the base model) are resolved once per pool: the
     slots are pinned (an adapter unloaded meanwhile keeps its weights until :meth:`release`)
     and the modules the adapters change are noted. ``fixed`` slot ids
-    serve every graph as they are. ``pools`` and ``modules`` record the pools the graphs
-    read and the modules whose LoRA ran; ``left``, the targets a graph that ran left as
-    traced, and why. Code Dynamo does not compile (a graph break, a frame it gave up on) runs
-    the plain model; this is how a caller notices, instead of returning base outputs for
-    adapter rows."""
+    serve every graph as they are. ``batch``, when the caller knows it, is the input whose
+    first dimension the rows are: a graph traced in the call finds its rows through it.
+    ``pools`` and ``modules`` record the pools the graphs read and the modules whose LoRA
+    ran; ``left_traced``, the targets a graph that ran left as traced, and why. Code Dynamo
+    does not compile (a graph break, a frame it gave up on) runs the plain model; this is
+    how a caller notices, instead of returning base outputs for adapter rows."""
 
     names: tuple[str | None, ...] | None = None
     fixed: torch.Tensor | None = None
+    batch: torch.Tensor | None = None  # the input whose first dimension the rows are counted by
     pools: dict[int, AdapterPool] = field(default_factory=dict)
     modules: set[str] = field(default_factory=set)
-    left: dict[str, str] = field(default_factory=dict)
+    left_traced: dict[str, str] = field(default_factory=dict)  # target -> why a graph that ran left it as traced
     _held: dict[int, tuple[list[int], set[str]]] = field(default_factory=dict)  # pool -> (slots, needed)
     _tensors: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
 
@@ -80,13 +82,13 @@ class Selection:
         """Raise if the LoRA of a module in ``needed`` did not run; the error names the
         adapters of ``pool`` that need it, where the compiler said why it left it out."""
         missing = needed - self.modules
-        if left := sorted(missing & self.left.keys()):
+        if left := sorted(missing & self.left_traced.keys()):
             fqn = left[0]
             adapters = pool.adapters if pool is not None else {}
             users = sorted(n for n in set(self.names or ()) - {None} if fqn in getattr(adapters.get(n), "modules", ()))
             raise LoraNotRunError(
-                f"adapter(s) {users}: the LoRA of {len(missing)} module(s), e.g. {fqn!r}, did not run: the compiler "
-                f"left it as traced: {self.left[fqn]}. See explain()."
+                f"adapter(s) {users}: the LoRA of {len(missing)} module(s), e.g. {fqn!r}, did not run: fxlora left "
+                f"that module as traced, because {self.left_traced[fqn]}. See explain()."
             )
         if missing:
             raise LoraNotRunError(
@@ -154,10 +156,11 @@ def check_names(adapter_names: Sequence[str | None] | None) -> tuple[str | None,
 
 
 @contextlib.contextmanager
-def use_slots(slot_ids: torch.Tensor | None) -> Iterator[Selection]:
+def use_slots(slot_ids: torch.Tensor | None, batch: torch.Tensor | None = None) -> Iterator[Selection]:
     """Calls made inside run ``lora`` with these per-row slot ids (int32, on the graphs'
-    device, :data:`NO_ADAPTER` for no adapter), or ``nolora`` when ``slot_ids`` is None."""
-    with selecting(Selection(fixed=slot_ids)) as selection:
+    device, :data:`NO_ADAPTER` for no adapter), or ``nolora`` when ``slot_ids`` is None;
+    ``batch``: the input whose first dimension the rows are."""
+    with selecting(Selection(fixed=slot_ids, batch=batch)) as selection:
         yield selection
 
 
@@ -204,7 +207,7 @@ class Router:
         self.lock = lock or threading.RLock()
         self.graphs = graphs
         self.lora_modules = variants.rewritten
-        self.left = variants.left
+        self.left_traced = variants.left_traced
         candidates = (("lora", variants.lora), ("nolora", variants.nolora)) if graphs is not None else ()
         self.uncapturable = {v: cpu_work(g) for v, g in candidates if g is not None}
         self.lora = compile_inner(variants.lora, inner) if variants.lora is not None else None
@@ -216,8 +219,8 @@ class Router:
             warn_unnamed(self.pool)
             selection = Selection()
         slot_ids = selection.slot_ids(self.pool, self.device)
-        if slot_ids is not None and self.left:
-            selection.left.update(self.left)
+        if slot_ids is not None and self.left_traced:
+            selection.left_traced.update(self.left_traced)
         if slot_ids is None or self.lora is None:
             return self._run("nolora", args)
         selection.modules |= self.lora_modules  # a graph runs whole or raises

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Relative error per row (||out - ref|| / ||ref||), float32.
 RTOL = {torch.float32: 1e-5}
@@ -34,8 +37,10 @@ NOISE_FACTOR = 4
 
 def peft_model_with(model: torch.nn.Module, adapters: Mapping[str, Any]) -> Any:
     """A PeftModel over a copy of ``model`` holding every adapter (directories, or
-    ``(config, state_dict)`` pairs)."""
+    ``(config, state_dict)`` pairs), each with the factors it was saved with
+    (:func:`_hold_as_saved`)."""
     from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+    from peft.utils import load_peft_weights
 
     peft_model = None
     for name, source in adapters.items():
@@ -46,13 +51,38 @@ def peft_model_with(model: torch.nn.Module, adapters: Mapping[str, Any]) -> Any:
             else:
                 peft_model.add_adapter(name, copy.deepcopy(config))
             set_peft_model_state_dict(peft_model, state, adapter_name=name)
-        elif peft_model is None:
-            peft_model = PeftModel.from_pretrained(copy.deepcopy(model), source, adapter_name=name)
         else:
-            peft_model.load_adapter(source, adapter_name=name)
+            state = load_peft_weights(source)
+            if peft_model is None:
+                peft_model = PeftModel.from_pretrained(copy.deepcopy(model), source, adapter_name=name)
+            else:
+                peft_model.load_adapter(source, adapter_name=name)
+        _hold_as_saved(peft_model, name, state)
     if peft_model is None:
         raise ValueError("no adapters given")
     return peft_model.eval()
+
+
+@torch.no_grad()
+def _hold_as_saved(peft_model: Any, name: str, saved: Mapping[str, torch.Tensor]) -> None:
+    """Make PEFT hold adapter ``name``'s factors as saved, wherever its loading changed them.
+
+    On transformers 5, PEFT passes adapter keys through the model's checkpoint conversion
+    rules, meant for checkpoints of an older layout. An adapter saved from the
+    model as it is needs none, and a rule that does not expect the current names mangles
+    them: Laguna's ``WeightRenaming("mlp.shared_expert.", "mlp.shared_experts.")`` is a
+    pattern whose ``.`` matches the ``s`` of ``shared_experts``, so PEFT looks for
+    ``shared_experts..down_proj`` and leaves those LoRA layers at their initial values. The
+    oracle is PEFT's computation with the adapter's own factors, so those are copied in."""
+    from peft import get_peft_model_state_dict
+
+    held = get_peft_model_state_dict(peft_model, adapter_name=name)  # views of the model's parameters
+    changed = [k for k, v in saved.items() if k in held and not torch.equal(held[k], v.to(held[k]))]
+    for key in changed:
+        held[key].copy_(saved[key])
+    if changed:
+        log.warning("PEFT loaded %d tensor(s) of adapter %r other than saved (e.g. %s): the oracle uses them as saved",
+                    len(changed), name, changed[0])  # fmt: skip
 
 
 def _rows(inputs: Mapping[str, Any], index: list[int]) -> dict[str, Any]:
