@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
@@ -15,23 +15,40 @@ if TYPE_CHECKING:
     from fxlora.compiler.context import PassContext
 
 def base_calls(
-    gm: fx.GraphModule, ctx: PassContext, kind: str, is_base: Callable[[fx.Node], bool]
-) -> Iterator[tuple[PoolTarget, fx.Node]]:
-    """The one base call (``is_base``) of each pool target of ``kind``; a module whose
-    forward makes several is reported and left alone."""
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    kind: str,
+    is_base: Callable[[fx.Node], bool],
+    weight_of: Callable[[fx.Node], Any],
+) -> list[tuple[PoolTarget, fx.Node]]:
+    """Every base call (``is_base``) of each pool target of ``kind``. A module whose forward
+    makes several (a block applied again, a projection of a second input) has each served,
+    one LoRA op per call over the same pool tensors, when every call reads the module's own
+    weight (``weight_of``: one parameter read, not a tensor each call computes); otherwise it
+    is reported and left alone."""
     calls: dict[str, list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
         fqn = node.meta.get("fxlora_module")
-        if node.op == "call_function" and fqn in ctx.pool.targets and is_base(node):
+        if node.op == "call_function" and fqn in ctx.pool.targets and ctx.pool.targets[fqn].info.kind == kind and is_base(node):
             calls[fqn].append(node)
+    served = []
     for fqn, nodes in calls.items():
-        target = ctx.pool.targets[fqn]
-        if target.info.kind != kind:
+        weights = {_parameter(weight_of(n)) for n in nodes}
+        if len(nodes) > 1 and (len(weights) > 1 or None in weights):
+            ctx.note(f"skipped {fqn}: its forward makes {len(nodes)} {kind} calls that do not all read its weight")
             continue
-        if len(nodes) > 1:
-            ctx.note(f"skipped {fqn}: its forward makes {len(nodes)} {kind} calls")
-            continue
-        yield target, nodes[0]
+        served += [(ctx.pool.targets[fqn], n) for n in nodes]
+    return served
+
+
+def _parameter(node: Any) -> object:
+    """What names the parameter ``node`` reads (a graph input, or an attribute of the graph
+    module), or None for a tensor computed in the graph."""
+    if isinstance(node, fx.Node) and node.op == "placeholder":
+        return node
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        return node.target
+    return None
 
 
 def pool_nodes(gm: fx.GraphModule, target: PoolTarget | PoolGroup) -> list[fx.Node]:
