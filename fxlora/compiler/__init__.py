@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 import fxlora.ops  # noqa: F401  (registers the fxlora:: ops the passes emit)
-from fxlora.compiler.annotate import annotate
+from fxlora.compiler.annotate import annotate, called_targets, instance_parameters
 from fxlora.compiler.batch_info import batch_info
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.fuse import fuse
@@ -44,6 +44,10 @@ class Variants:
     lora: fx.GraphModule | None  # None: no module of this graph carries LoRA
     nolora: fx.GraphModule
     rewritten: frozenset[str]  # the modules whose LoRA ``lora`` runs
+    called: frozenset[str] = frozenset()  # the targets whose module the graph calls, served or not
+    # (input index, module FQN, attribute): a parameter of each module the graph calls that
+    # could carry LoRA, by which a call tells which instance of the traced code it runs
+    instance: tuple[tuple[int, str, str], ...] = ()
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -58,10 +62,12 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> Variants:
     allocations into the arena."""
     gm = annotate(copy_graph(gm), ctx)
     nolora = copy_graph(gm)
+    called, instance = called_targets(gm, ctx), instance_parameters(gm, ctx)
     for p in PIPELINE:
         gm = p(gm, ctx)
     lora = gm if any(n.target in LORA_OPS for n in gm.graph.nodes) else None
-    return Variants(hoist(lora, ctx) if lora is not None else None, hoist(nolora, ctx), frozenset(ctx.rewritten))
+    lora, nolora = hoist(lora, ctx) if lora is not None else None, hoist(nolora, ctx)
+    return Variants(lora, nolora, frozenset(ctx.rewritten), called, instance)
 
 
 __all__ = ["LORA_OPS", "PIPELINE", "PassContext", "Variants", "hoist", "run_pipeline"]

@@ -21,6 +21,8 @@ class PassContext:
     arena: Arena | None = None  # where ``hoist`` places allocations; None: leave them
     inputs: list | None = None  # the real values of the graph's placeholders (Dynamo's example inputs)
     modules: ModuleTree | None = None  # the traced model's module tree, when known
+    # module FQN as traced -> the module a reused graph runs for (another instance of its code)
+    renamed: dict[str, str] | None = None
 
     def note(self, line: str) -> None:
         if line not in self.report:  # passes that look at the same calls may say the same thing

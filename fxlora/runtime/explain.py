@@ -39,6 +39,7 @@ class GraphRecord:
     prologues: int
     hoisted: dict[str, int]  # variant -> allocations placed in the arena
     notes: list[str] = field(default_factory=list)  # what a pass left alone, and why
+    instances: int = 0  # other module instances Dynamo runs the graph for, each with variants of its own
 
     @classmethod
     def of(cls, index: int, role: str, variants: Variants, notes: Iterable[str]) -> GraphRecord:
@@ -54,6 +55,8 @@ class GraphRecord:
             yield f"  {self.role} graph {self.index}: lora runs {ops} after {self.prologues} prologue(s); nolora as traced"
         else:
             yield f"  {self.role} graph {self.index}: no LoRA target here; nolora only"
+        if self.instances:
+            yield f"    also runs for {self.instances} other instance(s) of its code, with variants of their own"
         for note in self.notes:
             if note.startswith("fuse:"):
                 yield "    fused groups: " + note.rpartition(": ")[2]

@@ -17,16 +17,18 @@ import contextvars
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from fxlora.adapters import NO_ADAPTER, AdapterPool
 from fxlora.adapters.peft_format import BASE_NAME
 from fxlora.compiler import Variants
 from fxlora.errors import AdapterError, LoraNotRunError
 from fxlora.runtime.cuda_graphs import GraphSet, cpu_work
+from fxlora.runtime.instances import Instances
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +39,24 @@ class Selection:
 
     ``names`` (one per row, ``None`` for the base model) are resolved once per pool: the
     slots are pinned (an adapter unloaded meanwhile keeps its weights until :meth:`release`)
-    and the modules the adapters change are noted. ``fixed`` slot ids
-    serve every graph as they are. ``pools`` and ``modules`` record the pools the graphs
-    read and the modules whose LoRA ran. Code Dynamo does not compile (a graph break, a
-    frame it gave up on) runs the plain model; this is how a caller notices, instead of
-    returning base outputs for adapter rows."""
+    and the modules the adapters change are noted. ``fixed`` slot ids serve every graph as
+    they are. Code Dynamo does not compile (a graph break, a frame it gave up on) runs the
+    plain model; the record of the call is how a caller notices, instead of returning base
+    outputs for adapter rows: ``modules``, the targets whose LoRA ran in a graph;
+    ``unserved``, targets a graph called without it; ``eager``, targets called outside the
+    graphs (seen by :func:`watch_calls`' hooks); ``unknown``, a graph ran for module
+    instances it could not name. With ``watched`` (every target's eager calls are seen), a
+    target none of these saw was not called at all, and needs no LoRA (as in PEFT)."""
 
     names: tuple[str | None, ...] | None = None
     fixed: torch.Tensor | None = None
+    watched: bool = False
     pools: dict[int, AdapterPool] = field(default_factory=dict)
     modules: set[str] = field(default_factory=set)
+    unserved: set[str] = field(default_factory=set)
+    eager: set[str] = field(default_factory=set)
+    unknown: bool = False
+    graph_breaks: Callable[[], list[str]] = list  # the reasons Dynamo gave, for the error
     _held: dict[int, tuple[list[int], set[str]]] = field(default_factory=dict)  # pool -> (slots, needed)
     _tensors: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
 
@@ -74,13 +84,22 @@ class Selection:
         return self.names is not None and any(n is not None for n in self.names)
 
     def require(self, needed: set[str]) -> None:
-        """Raise if the LoRA of a module in ``needed`` did not run."""
-        if missing := needed - self.modules:
+        """Raise if a module in ``needed`` ran without its LoRA, or (unless ``watched``) if
+        its LoRA did not run."""
+        if self.unknown and needed:
             raise LoraNotRunError(
-                f"the LoRA of {len(missing)} module(s), e.g. {sorted(missing)[0]!r}, did not run: that code ran "
-                "outside the compiled graphs (a graph break, or Dynamo's recompile limit was hit). See explain() "
-                "and TORCH_LOGS=graph_breaks,recompiles."
+                "a compiled graph ran for module instances other than those it was traced for, and fxlora cannot "
+                "name them, so their LoRA did not run (a parameter replaced after compiling, or a graph Dynamo reused "
+                "for another model). See explain() and TORCH_LOGS=recompiles."
             )
+        if eager := needed & self.eager:
+            breaks = self.graph_breaks()
+            why = f"; Dynamo's graph breaks: {'; '.join(breaks[:3])}" if breaks else ""
+            raise _not_run(eager, f"it ran outside the compiled graphs (a graph break, a frame Dynamo skipped{why})")
+        if unserved := needed & self.unserved:
+            raise _not_run(unserved, "a compiled graph calls it, but fxlora leaves it as traced (explain() says why)")
+        if not self.watched and (missing := needed - self.modules):
+            raise _not_run(missing, "that code ran outside the compiled graphs (a graph break, or Dynamo's recompile limit was hit)")
 
     def require_adapters(self) -> None:
         """Raise unless the LoRA of every targeted module of the named adapters ran."""
@@ -95,6 +114,13 @@ class Selection:
             )
         for _, needed in self._held.values():
             self.require(needed)
+
+
+def _not_run(modules: set[str], why: str) -> LoraNotRunError:
+    return LoraNotRunError(
+        f"the LoRA of {len(modules)} module(s), e.g. {sorted(modules)[0]!r}, did not run: {why}. See explain() and "
+        "TORCH_LOGS=graph_breaks,recompiles."
+    )
 
 
 def _to_slot_tensor(slots: list[int], device: torch.device) -> torch.Tensor:
@@ -166,31 +192,67 @@ def current_selection() -> Selection | None:
     return _selection.get()
 
 
-__all__ = ["NO_ADAPTER", "Router", "Selection", "current_selection", "use_adapters", "use_slots"]
+def watch_calls(model: torch.nn.Module, targets: dict[str, str]) -> list[RemovableHandle]:
+    """Note in the current selection each call of a target's module (``targets``: target
+    FQN -> its module's FQN) that runs outside the compiled graphs, by a forward pre-hook.
+    Traced into a graph, the hook is nothing: a module a graph inlines is known from the
+    graph. Returns the hooks' handles."""
+    fqns: dict[str, list[str]] = {}
+    for target, module in targets.items():
+        fqns.setdefault(module, []).append(target)
+    return [model.get_submodule(m).register_forward_pre_hook(_eager_call_hook(tuple(t))) for m, t in fqns.items()]
+
+
+def _eager_call_hook(targets: tuple[str, ...]) -> Callable[..., None]:
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        if not torch.compiler.is_compiling():
+            selection = _selection.get()
+            if selection is not None:
+                selection.eager.update(targets)
+
+    return hook
+
+
+# Run eagerly, the hook would otherwise become a frame Dynamo compiles (where it is_compiling);
+# traced inline, in a graph, it stays what it is.
+torch._dynamo.eval_frame.skip_code(_eager_call_hook(()).__code__)
+
+
+__all__ = ["NO_ADAPTER", "Router", "Selection", "current_selection", "use_adapters", "use_slots", "watch_calls"]
 
 
 class Router:
-    """Runs one compiled graph's ``lora`` or ``nolora`` variant, as the current names ask."""
+    """Runs one compiled graph's ``lora`` or ``nolora`` variant, as the current names ask,
+    for the module instance the call's inputs belong to."""
 
     def __init__(
         self,
-        variants: Variants,
+        instances: Instances,
         pool: AdapterPool,
         device: torch.device,
         graphs: GraphSet | None = None,
         lock: threading.RLock | None = None,
         owner: object = None,
+        graph_breaks: Callable[[], list[str]] = list,
     ):
         """``graphs``: replay the variants from CUDA graphs captured per input signature;
         ``lock``: held while a variant runs (the graphs of one backend share memory);
-        ``owner``: what made the router, kept alive as long as Dynamo keeps the graph."""
-        self.lora, self.nolora, self.pool, self.device = variants.lora, variants.nolora, pool, device
+        ``owner``: what made the router, kept alive as long as Dynamo keeps the graph;
+        ``graph_breaks``: Dynamo's reasons, for the error when a module ran outside."""
+        self.instances, self.pool, self.device = instances, pool, device
         self.owner = owner
         self.lock = lock or threading.RLock()
         self.graphs = graphs
-        self.lora_modules = variants.rewritten
-        candidates = (("lora", self.lora), ("nolora", self.nolora)) if graphs is not None else ()
-        self.uncapturable = {v: cpu_work(g) for v, g in candidates if g is not None}
+        self.graph_breaks = graph_breaks
+        self._uncapturable: dict[tuple[int, str], str | None] = {}
+
+    @property
+    def lora(self):
+        return self.instances.traced.lora
+
+    @property
+    def nolora(self):
+        return self.instances.traced.nolora
 
     def __call__(self, *args):
         selection = _selection.get()
@@ -198,14 +260,26 @@ class Router:
             warn_unnamed(self.pool)
             selection = Selection()
         slot_ids = selection.slot_ids(self.pool, self.device)
-        if slot_ids is None or self.lora is None:
-            return self._run("nolora", args)
-        selection.modules |= self.lora_modules  # a graph runs whole or raises
-        return self._run("lora", (*args, slot_ids))
+        if slot_ids is None:
+            return self._run(self.instances.traced, "nolora", args)
+        selection.graph_breaks = self.graph_breaks
+        variants = self.instances.of(args)
+        if variants is None:  # the instance's modules have no name: none of its LoRA runs
+            selection.unknown = True
+            return self._run(self.instances.traced, "nolora", args)
+        # a graph runs whole or raises
+        selection.modules |= variants.rewritten
+        selection.unserved |= variants.called - variants.rewritten
+        if variants.lora is None:
+            return self._run(variants, "nolora", args)
+        return self._run(variants, "lora", (*args, slot_ids))
 
-    def _run(self, variant: str, args: tuple):
-        fn = getattr(self, variant)
+    def _run(self, variants: Variants, variant: str, args: tuple):
+        fn = getattr(variants, variant)
         with self.lock:
             if self.graphs is None:
                 return fn(*args)
-            return self.graphs.call((id(self), variant), fn, args, self.uncapturable[variant])
+            key = (id(variants), variant)
+            if key not in self._uncapturable:
+                self._uncapturable[key] = cpu_work(fn)
+            return self.graphs.call((id(self), *key), fn, args, self._uncapturable[key])
