@@ -26,7 +26,7 @@ from fxlora.runtime import Backend
 from fxlora.runtime.backend import raise_recompile_limit
 from fxlora.runtime.explain import report
 from fxlora.runtime.generation import DecodeRuntime, Sampling
-from fxlora.runtime.routing import Selection, check_names, selecting, warn_unnamed
+from fxlora.runtime.routing import Selection, check_names, selecting, warn_unnamed, watch_calls
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class CompiledModel(torch.nn.Module):
             mark_batch_dims_dynamic(t)
         if not self._backend.records:
             log.info("tracing and compiling %s: the first call of each input layout takes a while", type(self.model).__name__)
-        with selecting(Selection(names=names, batch=batch)) as selection:
+        with selecting(Selection(names=names, batch=batch, watched=True)) as selection:
             selection.slot_ids(self.pool, self._device)  # resolved once, here: unknown names fail before any work
             with self._backend.lock:
                 out = self._compiled(*args, **kwargs)
@@ -229,8 +229,10 @@ def compile(
     adapters and base model. ``target_modules`` (PEFT syntax, ``"all-linear"`` included)
     reserves pool space for adapters loaded later; by default the modules of the given
     adapters are the targets, or every linear layer but the output head when none are given.
-    The model itself is not modified, but for one setting: MoE experts that run transformers'
-    eager loop (it reads routing on the host) are switched to its `grouped_mm` implementation.
+    The model itself is not modified, but for two settings: MoE experts that run transformers'
+    eager loop (it reads routing on the host) are switched to its `grouped_mm` implementation,
+    and each targeted module gets a forward pre-hook that notes, during a call of the compiled
+    model, a call of it that runs outside the compiled graphs (it does nothing otherwise).
 
     ``generate`` serves batches of up to ``max_batch_size`` rows of up to ``max_len`` tokens
     (prompt and new tokens) from a static KV cache; its decode steps replay CUDA graphs
@@ -271,6 +273,8 @@ def compile(
         model.set_experts_implementation("grouped_mm")
         log.info("experts switched to the traceable grouped_mm implementation")
     backend = Backend(pool, modules=ModuleTree(model), inner=inner)
+    # a call of a target outside the compiled graphs is seen, so one the model makes nowhere needs no LoRA
+    watch_calls(model, {fqn: t.module for fqn, t in pool.targets.items()})
     quantization = getattr(config, "quantization_config", None) or getattr(model, "hf_quantizer", None)
     if quantization is not None:
         fields = quantization if isinstance(quantization, dict) else vars(quantization)

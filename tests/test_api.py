@@ -99,7 +99,7 @@ def test_lora_skipped_by_eager_fallback_is_an_error(model, inputs, tmp_path):
 def test_lora_a_pass_left_out_names_the_adapter_and_why(model, inputs, tmp_path):
     twice = copy.deepcopy(model)
     proj = twice.model.layers[0].mlp.down_proj
-    proj.forward = lambda x: F.linear(x, proj.weight) + 0 * F.linear(x, proj.weight)
+    proj.forward = lambda x: F.linear(x, proj.weight) + 0 * F.linear(x, proj.weight * 1)  # a computed weight
     adapter = make_adapter(twice, LoraConfig(r=4, target_modules=["down_proj"]), 0, str(tmp_path / "a"))
     cm = fxlora.compile(twice, adapters={"a": adapter})
     with pytest.raises(fxlora.LoraNotRunError, match=r"\['a'\].*'model\.layers\.0\.mlp\.down_proj'.*makes 2 linear calls"):

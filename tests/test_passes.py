@@ -72,6 +72,35 @@ def test_lora_linear_rewrites_only_targets(toy):
     assert gm.fxlora_lin1_lora_a.data_ptr() == pool.targets["lin1"].lora_a.data_ptr()
 
 
+def lin1_twice(gm, pool, weight_of):
+    """``gm`` with lin1's linear made twice on its input, the second over ``weight_of(its weight)``."""
+    annotate(gm, PassContext(pool))
+    first = next(n for n in gm.graph.nodes if n.meta.get("fxlora_module") == "lin1")
+    with gm.graph.inserting_before(first.next):
+        weight = weight_of(gm.graph, first.args[1])
+        again = gm.graph.call_function(F.linear, (first.args[0], weight, first.args[2]))
+        total = gm.graph.call_function(torch.add, (first, again))
+    again.meta.update(first.meta)
+    first.replace_all_uses_with(total, delete_user_cb=lambda u: u not in (again, total))
+    gm.graph.lint()
+    return gm
+
+
+def test_lora_linear_serves_each_call_over_the_modules_weight(toy):
+    _, gm, pool, _ = toy
+    ctx = PassContext(pool)
+    lora_linear(lin1_twice(gm, pool, lambda graph, w: w), ctx)
+    assert count(gm, LORA_LINEAR) == 2 and ctx.rewritten == {"lin1": "fxlora::lora_linear"}
+
+
+def test_lora_linear_leaves_calls_over_other_weights(toy):
+    _, gm, pool, _ = toy
+    ctx = PassContext(pool)
+    lora_linear(lin1_twice(gm, pool, lambda graph, w: graph.call_function(torch.mul, (w, 2.0))), ctx)
+    assert count(gm, LORA_LINEAR) == 0 and not ctx.rewritten
+    assert "skipped lin1: its forward makes 2 linear calls that do not all read its weight" in ctx.report
+
+
 def test_lora_embedding_rewrites_the_lookup(toy):
     _, gm, pool, _ = toy
     ctx = PassContext(pool)

@@ -105,6 +105,12 @@ class PoolTarget:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.lora_a, self.lora_b, self.scaling, self.rank))
 
+    @property
+    def module(self) -> str:
+        """The module whose call runs this target: the target itself, or for an experts
+        parameter its experts module."""
+        return self.fqn.rpartition(".")[0] if self.info.kind == "experts" else self.fqn
+
     @torch.no_grad()
     def write(self, slot: int, adapter: LoraAdapter | None) -> None:
         factors = adapter.modules.get(self.fqn) if adapter is not None else None

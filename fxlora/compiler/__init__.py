@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 import fxlora.ops  # noqa: F401  (registers the fxlora:: ops the passes emit)
-from fxlora.compiler.annotate import annotate
+from fxlora.compiler.annotate import annotate, called_targets, instance_parameters
 from fxlora.compiler.batch_info import batch_info
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.decode_attention import decode_attention
@@ -46,7 +46,11 @@ class Variants:
     lora: fx.GraphModule | None  # None: no module of this graph carries LoRA
     nolora: fx.GraphModule
     rewritten: frozenset[str]  # the modules whose LoRA ``lora`` runs
-    left_traced: Mapping[str, str] = field(default_factory=dict)  # targets the passes left as traced -> why
+    # the targets whose module the graph calls but ``lora`` leaves as traced -> why
+    left_traced: Mapping[str, str] = field(default_factory=dict)
+    # (input index, module FQN, attribute): a parameter of each module the graph calls that
+    # could carry LoRA, by which a call tells which instance of the traced code it runs
+    instance: tuple[tuple[int, str, str], ...] = ()
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -64,11 +68,14 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> Variants:
     if ctx.decode_attention:
         gm = decode_attention(gm, ctx)
     nolora = copy_graph(gm)
+    called, instance = called_targets(gm, ctx), instance_parameters(gm, ctx)
     for p in PIPELINE:
         gm = p(gm, ctx)
     lora = gm if any(n.target in LORA_OPS for n in gm.graph.nodes) else None
-    lora = hoist(lora, ctx) if lora is not None else None
-    return Variants(lora, hoist(nolora, ctx), frozenset(ctx.rewritten), dict(ctx.left_traced))
+    for fqn in sorted(called - ctx.rewritten.keys() - ctx.left_traced.keys()):
+        ctx.leave_traced(fqn, "no LoRA pass recognises its calls")
+    lora, nolora = hoist(lora, ctx) if lora is not None else None, hoist(nolora, ctx)
+    return Variants(lora, nolora, frozenset(ctx.rewritten), dict(ctx.left_traced), instance)
 
 
 __all__ = ["LORA_OPS", "PIPELINE", "PassContext", "Variants", "hoist", "run_pipeline"]

@@ -24,6 +24,8 @@ class PassContext:
     modules: ModuleTree | None = None  # the traced model's module tree, when known
     decode_attention: bool = False  # rewrite decode-step SDPA over the KV cache (for code run on CUDA)
     batch: object = None  # the input whose first dimension is the batch's rows (a real tensor), when known
+    # module FQN as traced -> the module a reused graph runs for (another instance of its code)
+    renamed: dict[str, str] | None = None
     left_traced: dict[str, str] = field(default_factory=dict)  # pool target FQN -> why a pass left it as traced
 
     def note(self, line: str) -> None:

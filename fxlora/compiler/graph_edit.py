@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
@@ -21,37 +21,62 @@ CASTS = {"type", "to", "float", "double", "half", "bfloat16"}
 
 
 def base_calls(
-    gm: fx.GraphModule, ctx: PassContext, kind: str, is_base: Callable[[fx.Node], bool]
-) -> Iterator[tuple[PoolTarget, fx.Node]]:
-    """The one base call (``is_base``) of each pool target of ``kind``; a module whose
-    forward makes several is reported and left alone. For a linear over a module's 2-D
-    parameter (``ModuleInfo.parameter``) only a call whose weight is that parameter counts."""
-    calls: dict[str, list[fx.Node]] = defaultdict(list)  # every target with calls here, not yet rewritten
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    kind: str,
+    is_base: Callable[[fx.Node], bool],
+    weight_of: Callable[[fx.Node], Any],
+) -> list[tuple[PoolTarget, fx.Node]]:
+    """Every base call (``is_base``) of each pool target of ``kind``. A module whose forward
+    makes several (a block applied again, a projection of a second input) has each served,
+    one LoRA op per call over the same pool tensors, when every call reads the module's own
+    weight (``weight_of``: one parameter read, directly or through :data:`CASTS`, not a
+    tensor each call computes); otherwise it is left as traced. For a linear over a module's
+    2-D parameter (``ModuleInfo.parameter``) only the calls whose weight is that parameter
+    count."""
+    calls: dict[str, list[fx.Node]] = defaultdict(list)  # every target of ``kind`` with calls here
     for node in gm.graph.nodes:
         fqn = node.meta.get("fxlora_module")
-        if node.op.startswith("call") and fqn in ctx.pool.targets and fqn not in ctx.rewritten:
+        target = ctx.pool.targets.get(fqn) if node.op.startswith("call") else None
+        if target is not None and target.info.kind == kind:
             calls[fqn] += [node] if node.op == "call_function" and is_base(node) else []
     values = None
+    served = []
     for fqn, nodes in calls.items():
         target = ctx.pool.targets[fqn]
-        if target.info.kind != kind:
-            continue
-        if target.info.parameter is None and not nodes:
-            continue
         if target.info.parameter is not None:
             values = input_values(gm, ctx) if values is None else values
-            nodes = [n for n in nodes if reads_parameter(call_arg(n, 1, "weight"), target.info.weight, values)]
-            if not nodes:
+            nodes = [n for n in nodes if reads_parameter(weight_of(n), target.info.weight, values)]
+            if not nodes and fqn not in ctx.rewritten:  # an earlier pass may have served it
                 ctx.leave_traced(
                     fqn,
                     f"no {kind} call of its forward reads its parameter {target.info.parameter!r} (directly or "
                     "through a dtype cast), which its LoRA adapts",
                 )
                 continue
-        if len(nodes) > 1:
-            ctx.leave_traced(fqn, f"its forward makes {len(nodes)} {kind} calls")
+        weights = {_parameter(weight_of(n)) for n in nodes}
+        if len(nodes) > 1 and (len(weights) > 1 or None in weights):
+            ctx.leave_traced(fqn, f"its forward makes {len(nodes)} {kind} calls that do not all read its weight")
             continue
-        yield target, nodes[0]
+        served += [(target, n) for n in nodes]
+    return served
+
+
+def _parameter(node: Any) -> object:
+    """What names the parameter ``node`` reads, directly or through :data:`CASTS` (a graph
+    input, or an attribute of the graph module), or None for a tensor computed in the graph."""
+    node = _uncast(node)
+    if isinstance(node, fx.Node) and node.op == "placeholder":
+        return node
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        return node.target
+    return None
+
+
+def _uncast(node: Any) -> Any:
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in CASTS:
+        node = node.args[0]
+    return node
 
 
 def pool_nodes(gm: fx.GraphModule, target: PoolTarget | PoolGroup) -> list[fx.Node]:
@@ -126,6 +151,5 @@ def input_values(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, object]:
 def reads_parameter(node: Any, parameter: Any, values: dict[fx.Node, object]) -> bool:
     """Whether ``node`` is ``parameter`` (by identity with the model's tensor), read directly
     or through :data:`CASTS`."""
-    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in CASTS:
-        node = node.args[0]
+    node = _uncast(node)
     return isinstance(node, fx.Node) and values.get(node) is parameter

@@ -23,7 +23,7 @@ from fxlora.errors import NotServed
 
 
 def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    for target, node in list(base_calls(gm, ctx, "embedding", lambda n: n.target in EMBEDDING)):
+    for target, node in base_calls(gm, ctx, "embedding", lambda n: n.target in EMBEDDING, lambda n: embedding_args(n)[1]):
         fqn = target.fqn
         if node.target is F.embedding and call_arg(node, 3, "max_norm") is not None:
             ctx.leave_traced(fqn, "embedding with max_norm renormalises its weight in place")

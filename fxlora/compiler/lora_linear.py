@@ -6,10 +6,11 @@ attributed to a module the adapter pool targets, and replaces each with
 target's pool buffers (``pool_nodes``), ``batch`` the list of its tokens' ``batch_info``
 outputs, the workspace a ``lora_workspace`` node of its own (so ``hoist`` can plan it). The
 ``torch.addmm(bias, x, weight)`` of transformers' ``Conv1D`` (GPT-2), whose weight is stored
-transposed, becomes the same op on ``weight.t()``. A module
-whose forward calls linear more than once, whose weight shape differs from the pool's, or
-whose input's rows cannot be told (:func:`fxlora.compiler.batch_info.row_dim`), is left alone
-and reported. Linears of modules no adapter targets are untouched.
+transposed, becomes the same op on ``weight.t()``. A module whose forward calls linear
+several times over its weight has each call replaced, each its own op over the same pool
+buffers. A module whose calls read different weights, whose weight shape differs from the
+pool's, or whose input's rows cannot be told (:func:`fxlora.compiler.batch_info.row_dim`), is
+left alone and reported. Linears of modules no adapter targets are untouched.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from fxlora.ops.lora_linear import lora_workspace
 
 
 def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    for target, node in list(base_calls(gm, ctx, "linear", lambda n: n.target in LINEAR or is_conv1d_addmm(n))):
+    for target, node in base_calls(gm, ctx, "linear", lambda n: n.target in LINEAR or is_conv1d_addmm(n), linear_weight):
         fqn = target.fqn
         conv1d = node.target is torch.addmm
         if conv1d:
@@ -51,6 +52,11 @@ def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.rewritten[fqn] = "fxlora::lora_linear"
     gm.recompile()
     return gm
+
+
+def linear_weight(node: fx.Node) -> fx.Node:
+    """The weight a linear call reads: ``F.linear``'s ``weight``, or the ``Conv1D`` addmm's ``mat2``."""
+    return call_arg(node, 2, "mat2") if node.target is torch.addmm else call_arg(node, 1, "weight")
 
 
 def lora_operands(

@@ -41,6 +41,7 @@ class GraphRecord:
     notes: list[str] = field(default_factory=list)  # what a pass left alone, and why
     inner: str = "eager"  # the inner compiler of both variants
     attention: int = 0  # decode-step SDPA calls served by fxlora::decode_attention
+    instances: int = 0  # other module instances Dynamo runs the graph for, each with variants of its own
 
     @classmethod
     def of(cls, index: int, role: str, variants: Variants, notes: Iterable[str], inner: str = "eager") -> GraphRecord:
@@ -58,6 +59,8 @@ class GraphRecord:
             yield f"  {self.role} graph {self.index}: lora runs {ops} after {self.prologues} prologue(s); nolora as traced{by}"
         else:
             yield f"  {self.role} graph {self.index}: no LoRA target here; nolora only{by}"
+        if self.instances:
+            yield f"    also runs for {self.instances} other instance(s) of its code, with variants of their own"
         for note in self.notes:
             if note.startswith("fuse:"):
                 yield "    fused groups: " + note.rpartition(": ")[2]
