@@ -21,7 +21,7 @@ from fxlora.compiler.annotate import LINEAR, is_conv1d_addmm
 from fxlora.compiler.batch_info import batch_info_for
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.graph_edit import base_calls, call_arg, fake_value, meta_shape, pool_nodes, replace_with
-from fxlora.ops.lora_linear import lora_workspace
+from fxlora.ops.lora_delta import lora_workspace
 
 
 def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
