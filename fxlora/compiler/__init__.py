@@ -20,6 +20,7 @@ from fxlora.compiler.batch_info import batch_info
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.fuse import fuse
 from fxlora.compiler.hoist import hoist
+from fxlora.compiler.lora_delta import lora_delta
 from fxlora.compiler.lora_embedding import lora_embedding
 from fxlora.compiler.lora_linear import lora_linear
 from fxlora.compiler.lora_moe import lora_moe
@@ -27,9 +28,10 @@ from fxlora.compiler.lora_moe import lora_moe
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 # The LoRA passes, in order: each rewrites what the ones before left.
-PIPELINE: list[Pass] = [fuse, lora_linear, lora_embedding, lora_moe, batch_info]
+PIPELINE: list[Pass] = [fuse, lora_linear, lora_delta, lora_embedding, lora_moe, batch_info]
 
 LORA_OPS = {
+    torch.ops.fxlora.lora_delta.default,
     torch.ops.fxlora.lora_linear.default,
     torch.ops.fxlora.lora_linear_fused.default,
     torch.ops.fxlora.lora_embedding.default,

@@ -8,7 +8,8 @@ root spelling removed (``L['self']``, ``L['args'][0]`` under a decorated ``forwa
 inside a layer). Without the model, the path with its root removed is the FQN. A node
 without that metadata but whose weight is a ``get_attr`` of ``<module>.weight`` (as
 ``torch.fx.symbolic_trace`` makes) is attributed to ``<module>``. Writes
-``node.meta["fxlora_module"]`` and ``node.meta["fxlora_module_type"]``; changes nothing else
+``node.meta["fxlora_module"]``, ``node.meta["fxlora_module_type"]`` and, from Dynamo's key,
+``node.meta["fxlora_module_call"]``, which tells a module's calls apart; changes nothing else
 in the graph. When the pool has not seen the whole model (``torch.compile`` hands over one
 graph at a time), it tells the pool which linear and embedding modules this graph holds.
 """
@@ -96,6 +97,7 @@ def annotate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 continue
             node.meta["fxlora_module"] = fqn
             node.meta["fxlora_module_type"] = module_type
+            node.meta["fxlora_module_call"] = str(key)  # Dynamo's key: "<id>@<n>" for the module's n-th call
             continue
         weight = node.args[1] if len(node.args) > 1 else None
         if isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target.endswith(".weight"):

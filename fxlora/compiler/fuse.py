@@ -8,7 +8,8 @@ serve them all where each would launch its own. The pool joins the members' fact
 layout (:meth:`AdapterPool.join`); each member's users read its output from the op's list.
 
 Runs before ``lora_linear``, which takes the linears left over. A set is left alone, and reported, when the pool cannot join it or when a
-member's weight is computed after the first member's call.
+member's weight is computed after the first member's call. Calls of tensor-subclass weights
+(torchao's quantised weights) are ``lora_delta``'s.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.fx as fx
 from fxlora.adapters import PoolTarget
 from fxlora.compiler.annotate import LINEAR
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import base_calls, call_arg, meta_shape, meta_value
+from fxlora.compiler.graph_edit import base_calls, call_arg, meta_shape, meta_value, reads_wrapped_tensor
 from fxlora.compiler.lora_linear import lora_operands
 from fxlora.errors import NotServed
 
@@ -32,7 +33,7 @@ MAX_MEMBERS = 4  # the expands update at most four outputs (sgmv.MAX_SLICES); mo
 
 def fuse(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     readers: dict[fx.Node, list[tuple[PoolTarget, fx.Node]]] = defaultdict(list)
-    for target, node in base_calls(gm, ctx, "linear", lambda n: n.target in LINEAR):
+    for target, node in base_calls(gm, ctx, "linear", lambda n: n.target in LINEAR and not reads_wrapped_tensor(n)):
         x, weight = call_arg(node, 0, "input"), call_arg(node, 1, "weight")
         if isinstance(x, fx.Node) and meta_shape(weight) == (target.info.out_features, target.info.in_features):
             readers[x].append((target, node))

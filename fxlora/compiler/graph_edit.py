@@ -1,4 +1,5 @@
-"""Graph-editing steps the LoRA passes share: wiring in pool tensors, replacing a base call."""
+"""Graph-editing steps the LoRA passes share: wiring in pool tensors, replacing a base call,
+finding a module's region by its boundary."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fxlora.adapters import PoolGroup, PoolTarget
 
 if TYPE_CHECKING:
     from fxlora.compiler.context import PassContext
+
 
 def base_calls(
     gm: fx.GraphModule, ctx: PassContext, kind: str, is_base: Callable[[fx.Node], bool]
@@ -86,3 +90,51 @@ def fake_value(node: fx.Node, compute: Callable[[Any], Any], source: fx.Node) ->
     if mode is not None:
         with mode:
             node.meta["example_value"] = compute(val)
+
+
+def reads_wrapped_tensor(node: fx.Node) -> bool:
+    """Whether a traced value ``node`` reads is a tensor subclass wrapping others (torchao's
+    quantised weights, DTensor): the LoRA ops' own base computations (``F.linear``,
+    ``F.embedding``) cannot take one, so such a call keeps its traced form."""
+    return any(is_traceable_wrapper_subclass(meta_value(a)) for a in node.all_input_nodes)
+
+
+def module_region(gm: fx.GraphModule, owner: str) -> list[fx.Node]:
+    """The call nodes ``annotate`` attributed to module ``owner`` or its submodules, in graph
+    order, less the size arithmetic among them: values that are not tensors, computed from the
+    region's inputs alone (SymInts under dynamic shapes), which code after the region may
+    reuse, so they stay where they are."""
+    inside = lambda fqn: fqn is not None and (fqn == owner or fqn.startswith(owner + "."))  # noqa: E731
+    region = [n for n in gm.graph.nodes if n.op.startswith("call") and inside(n.meta.get("fxlora_module"))]
+    nodes, sizes = set(region), set()
+    for n in region:
+        if not isinstance(meta_value(n), torch.Tensor) and all(a not in nodes or a in sizes for a in n.all_input_nodes):
+            sizes.add(n)
+    return [n for n in region if n not in sizes]
+
+
+def region_outputs(region: list[fx.Node]) -> list[fx.Node]:
+    """The nodes of ``region`` that a node outside it reads."""
+    inside = set(region)
+    return [n for n in region if any(u not in inside for u in n.users)]
+
+
+def region_inputs(region: list[fx.Node]) -> list[fx.Node]:
+    """The nodes outside ``region`` that it reads, in order of first use."""
+    inside = set(region)
+    return list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
+
+
+def input_values(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, object]:
+    """The real tensors behind placeholders (Dynamo's example inputs) and ``get_attr`` nodes."""
+    values: dict[fx.Node, object] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, ctx.inputs or ()):
+        values[node] = value
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                values[node] = gm.get_parameter(node.target)
+            except AttributeError:
+                continue
+    return values

@@ -8,7 +8,9 @@ outputs, the workspace a ``lora_workspace`` node of its own (so ``hoist`` can pl
 ``torch.addmm(bias, x, weight)`` of transformers' ``Conv1D`` (GPT-2), whose weight is stored
 transposed, becomes the same op on ``weight.t()``. A module
 whose forward calls linear more than once, or whose weight shape differs from the pool's,
-is left alone and reported. Linears of modules no adapter targets are untouched.
+is left alone and reported. Calls that read a tensor subclass (torchao's quantised weights)
+are left to ``lora_delta``, which adds the delta onto whatever they compute. Linears of
+modules no adapter targets are untouched.
 """
 
 from __future__ import annotations
@@ -20,12 +22,21 @@ from fxlora.adapters import PoolGroup, PoolTarget
 from fxlora.compiler.annotate import LINEAR, is_conv1d_addmm
 from fxlora.compiler.batch_info import batch_info_for
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import base_calls, call_arg, fake_value, meta_shape, pool_nodes, replace_with
+from fxlora.compiler.graph_edit import (
+    base_calls,
+    call_arg,
+    fake_value,
+    meta_shape,
+    pool_nodes,
+    reads_wrapped_tensor,
+    replace_with,
+)
 from fxlora.ops.lora_delta import lora_workspace
 
 
 def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    for target, node in list(base_calls(gm, ctx, "linear", lambda n: n.target in LINEAR or is_conv1d_addmm(n))):
+    is_base = lambda n: (n.target in LINEAR or is_conv1d_addmm(n)) and not reads_wrapped_tensor(n)  # noqa: E731
+    for target, node in list(base_calls(gm, ctx, "linear", is_base)):
         fqn = target.fqn
         conv1d = node.target is torch.addmm
         if conv1d:
