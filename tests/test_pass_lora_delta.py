@@ -144,6 +144,7 @@ def test_a_module_called_twice_gets_the_delta_on_each_call():
 def test_torchao_weights_are_left_to_lora_delta(quantization):
     """fuse and lora_linear would hand the quantised weight to F.linear inside their op; the
     traced F.linear of the quantised weight stays, and the delta goes onto it."""
+    pytest.importorskip("torchao")
     from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 
     torch.manual_seed(0)
