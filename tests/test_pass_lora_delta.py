@@ -117,6 +117,19 @@ def test_matmul_linears_get_the_delta_joined_on_their_shared_input():
     check_against_peft(model, adapters, variants, inputs, pool, h)
 
 
+def test_the_rewritten_graph_compiles_with_inductor():
+    """Inductor, the inner compiler to come, functionalizes the in-place op soundly."""
+    torch.manual_seed(0)
+    model = Block().eval()
+    h = torch.randn(3, 5, 8)
+    variants, _, inputs, pool = compile_toy(model, adapters_for(model, ["a", "b", "c"]), h)
+    torch._dynamo.reset()
+    compiled = torch.compile(variants.lora, backend="inductor")
+    for names in (["one", None, "two"], [None, None, None]):
+        slots = torch.tensor(pool.slot_ids(names), dtype=torch.int32)
+        torch.testing.assert_close(compiled(*inputs, slots)[0], variants.lora(*inputs, slots)[0], rtol=1e-5, atol=1e-6)
+
+
 def test_a_region_that_mutates_is_served_where_it_was_traced():
     torch.manual_seed(0)
     model = Block(second=InPlaceLinear).eval()
