@@ -19,6 +19,7 @@ import torch
 
 from fxlora.adapters import AdapterPool, experts, model_modules, placement, read_adapter
 from fxlora.adapters.peft_format import AdapterSource
+from fxlora.adapters.quantization import check_quantized
 from fxlora.compiler.annotate import ModuleTree
 from fxlora.compiler.experts_probe import choose_layout
 from fxlora.errors import AdapterError, NotServed
@@ -262,11 +263,15 @@ def compile(
     )
     for name, source in adapters.items():
         pool.load(placement.resolve(read_adapter(name, source), model))
-    pool.register_modules(model_modules(model), complete=True)
+    modules = model_modules(model)
+    quantized = check_quantized(model, pool, modules)  # before the pool compares weights it cannot read
+    pool.register_modules(modules, complete=True)
     _check_experts_gates(model, pool)
     config = getattr(model, "config", None)
-    if getattr(config, "_experts_implementation", None) in (None, "eager") and any(
-        experts.is_experts(m) for m in model.modules()
+    if (
+        getattr(config, "_experts_implementation", None) in (None, "eager")
+        and any(experts.is_experts(m) for m in model.modules())
+        and not (quantized and quantized.experts)  # grouped_mm cannot read quantised experts
     ):
         # the eager experts loop reads routing on the host and breaks the graph; this one traces.
         # Switched after every check, so that a compile that fails leaves the model as it was.
@@ -275,16 +280,9 @@ def compile(
     backend = Backend(pool, modules=ModuleTree(model), inner=inner)
     # a call of a target outside the compiled graphs is seen, so one the model makes nowhere needs no LoRA
     watch_calls(model, {fqn: t.module for fqn, t in pool.targets.items()})
-    quantization = getattr(config, "quantization_config", None) or getattr(model, "hf_quantizer", None)
-    if quantization is not None:
-        fields = quantization if isinstance(quantization, dict) else vars(quantization)
-        method = fields.get("quant_method")
-        note = (
-            f"the base model is quantised ({method or type(quantization).__name__}): quantisation hooks are out of "
-            "scope, LoRA ops read its weights as plain tensors"
-        )
-        backend.notes.append(note)
-        log.warning("%s", note)
+    if quantized is not None:
+        backend.notes.append(quantized.describe())
+        log.info("%s", quantized.describe())
     raise_recompile_limit()
     compiled = torch.compile(own_code_object(model), backend=backend, dynamic=dynamic, fullgraph=fullgraph)
     log.info("%d adapters in %d target modules", len(adapters), len(pool.targets))

@@ -217,14 +217,6 @@ def test_generate_equals_peft_greedy(family):
     assert {"moe_workspace", "moe_routing_workspace"} <= kinds and cm.backend.arena.nbytes > 0
 
 
-def test_quantised_base_is_named_in_explain():
-    torch._dynamo.reset()
-    model = _model("qwen3_moe")
-    model.config.quantization_config = {"quant_method": "fp8"}
-    cm = fxlora.compile(model, _adapters(model, "qwen3_moe"), max_loras=2, max_rank=8)
-    assert "quantised (fp8): quantisation hooks are out of scope" in cm.explain()
-
-
 def test_experts_with_a_gate_the_op_does_not_know_are_refused_at_compile_time():
     torch._dynamo.reset()
     model = _model("qwen3_moe", "eager")

@@ -10,6 +10,7 @@ from fxlora.compiler import PassContext, run_pipeline
 from fxlora.compiler.annotate import annotate, module_fqn
 from fxlora.compiler.batch_info import SLOT_IDS, batch_info
 from fxlora.compiler.fuse import MAX_MEMBERS
+from fxlora.compiler.lora_delta import lora_delta
 from fxlora.compiler.lora_embedding import lora_embedding
 from fxlora.compiler.lora_linear import lora_linear
 from fxlora.testing import lora_module_names, tiny_model
@@ -72,8 +73,9 @@ def test_lora_linear_rewrites_only_targets(toy):
     assert gm.fxlora_lin1_lora_a.data_ptr() == pool.targets["lin1"].lora_a.data_ptr()
 
 
-def lin1_twice(gm, pool, weight_of):
-    """``gm`` with lin1's linear made twice on its input, the second over ``weight_of(its weight)``."""
+def lin1_twice(gm, pool, weight_of, second_call=True):
+    """``gm`` with lin1's linear made twice on its input, the second over ``weight_of(its weight)``,
+    as a second call of lin1 (Dynamo's ``@1`` key) or, without ``second_call``, in the same call."""
     annotate(gm, PassContext(pool))
     first = next(n for n in gm.graph.nodes if n.meta.get("fxlora_module") == "lin1")
     with gm.graph.inserting_before(first.next):
@@ -81,6 +83,10 @@ def lin1_twice(gm, pool, weight_of):
         again = gm.graph.call_function(F.linear, (first.args[0], weight, first.args[2]))
         total = gm.graph.call_function(torch.add, (first, again))
     again.meta.update(first.meta)
+    if second_call:
+        again.meta["fxlora_module_call"] = f"{first.meta.get('fxlora_module_call')}@1"
+    else:  # the sum is the call's output
+        total.meta.update(first.meta)
     first.replace_all_uses_with(total, delete_user_cb=lambda u: u not in (again, total))
     gm.graph.lint()
     return gm
@@ -99,6 +105,18 @@ def test_lora_linear_leaves_calls_over_other_weights(toy):
     lora_linear(lin1_twice(gm, pool, lambda graph, w: graph.call_function(torch.mul, (w, 2.0))), ctx)
     assert count(gm, LORA_LINEAR) == 0 and not ctx.rewritten
     assert "skipped lin1: its forward makes 2 linear calls that do not all read its weight" in ctx.report
+
+
+def test_lora_linear_leaves_one_call_of_two_linears_to_lora_delta(toy):
+    """PEFT adds the delta once onto a call's output, however many linears the call makes."""
+    _, gm, pool, _ = toy
+    ctx = PassContext(pool)
+    gm = lora_linear(lin1_twice(gm, pool, lambda graph, w: w, second_call=False), ctx)
+    assert count(gm, LORA_LINEAR) == 0 and "skipped lin1: one call of its forward makes 2 linear calls" in ctx.report
+    lora_delta(gm, ctx)
+    ctx.served_after_all()
+    assert count(gm, torch.ops.fxlora.lora_delta.default) == 1 and ctx.rewritten == {"lin1": "fxlora::lora_delta"}
+    assert not ctx.left_traced and not any(line.startswith("skipped lin1") for line in ctx.report)
 
 
 def test_lora_embedding_rewrites_the_lookup(toy):

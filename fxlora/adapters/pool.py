@@ -219,10 +219,15 @@ class AdapterPool:
         self.complete = self.complete or complete
         for fqn, info in new.items():
             users = [a for a in self.adapters.values() if fqn in a.modules]
-            if users or self._wanted(fqn, info):
+            if self.wants(fqn, info):
                 self.targets[fqn] = target = PoolTarget(fqn, info, self.max_loras, self.max_rank)
                 for adapter in users:
                     target.write(self.slot_of[adapter.name], adapter)
+
+    def wants(self, fqn: str, info: ModuleInfo) -> bool:
+        """Whether registering module ``fqn`` makes it a target: a loaded adapter touches it,
+        or ``target_modules`` selects it."""
+        return any(fqn in a.modules for a in self.adapters.values()) or self._wanted(fqn, info)
 
     def _wanted(self, fqn: str, info: ModuleInfo) -> bool:
         if self._patterns is None:

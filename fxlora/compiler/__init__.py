@@ -22,6 +22,7 @@ from fxlora.compiler.context import PassContext
 from fxlora.compiler.decode_attention import decode_attention
 from fxlora.compiler.fuse import fuse
 from fxlora.compiler.hoist import hoist
+from fxlora.compiler.lora_delta import lora_delta
 from fxlora.compiler.lora_embedding import lora_embedding
 from fxlora.compiler.lora_linear import lora_linear
 from fxlora.compiler.lora_moe import lora_moe
@@ -29,9 +30,10 @@ from fxlora.compiler.lora_moe import lora_moe
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 # The LoRA passes, in order: each rewrites what the ones before left.
-PIPELINE: list[Pass] = [fuse, lora_linear, lora_embedding, lora_moe, batch_info]
+PIPELINE: list[Pass] = [fuse, lora_linear, lora_delta, lora_embedding, lora_moe, batch_info]
 
 LORA_OPS = {
+    torch.ops.fxlora.lora_delta.default,
     torch.ops.fxlora.lora_linear.default,
     torch.ops.fxlora.lora_linear_fused.default,
     torch.ops.fxlora.lora_embedding.default,
@@ -72,6 +74,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> Variants:
     for p in PIPELINE:
         gm = p(gm, ctx)
     lora = gm if any(n.target in LORA_OPS for n in gm.graph.nodes) else None
+    ctx.served_after_all()
     for fqn in sorted(called - ctx.rewritten.keys() - ctx.left_traced.keys()):
         ctx.leave_traced(fqn, "no LoRA pass recognises its calls")
     lora, nolora = hoist(lora, ctx) if lora is not None else None, hoist(nolora, ctx)

@@ -9,10 +9,11 @@ inside a layer). Without the model, the path with its root removed is the FQN. A
 without that metadata but whose weight is a ``get_attr`` of ``<module>.weight`` (as
 ``torch.fx.symbolic_trace`` makes) is attributed to ``<module>``. ``ctx.renamed`` then
 moves the calls of a module to another instance of the same code (a graph Dynamo reuses for
-it). Writes ``node.meta["fxlora_module"]`` and ``node.meta["fxlora_module_type"]``; changes
-nothing else in the graph. When the pool has not seen the whole model (``torch.compile``
-hands over one graph at a time), it tells the pool which linear and embedding modules this
-graph holds.
+it). Writes ``node.meta["fxlora_module"]``, ``node.meta["fxlora_module_type"]`` and, from
+Dynamo's key, ``node.meta["fxlora_module_call"]``, which tells a module's calls apart
+(:func:`fxlora.compiler.graph_edit.module_calls`); changes nothing else in the graph. When
+the pool has not seen the whole model (``torch.compile`` hands over one graph at a time), it
+tells the pool which linear and embedding modules this graph holds.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def annotate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 continue
             node.meta["fxlora_module"] = renamed(fqn, ctx.renamed) if ctx.renamed else fqn
             node.meta["fxlora_module_type"] = module_type
+            node.meta["fxlora_module_call"] = str(key)  # Dynamo's key: "<id>@<n>" for the module's n-th call
             continue
         weight = node.args[1] if len(node.args) > 1 else None
         if isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target.endswith(".weight"):

@@ -39,3 +39,10 @@ class PassContext:
         self.note(f"skipped {module}: {why}")
         for target in targets or (module,):
             self.left_traced.setdefault(target, why)
+
+    def served_after_all(self) -> None:
+        """Forget the targets an earlier pass left as traced that a later one served
+        (``lora_delta`` adds the delta onto what ``lora_linear`` could not replace)."""
+        for fqn in sorted(self.left_traced.keys() & self.rewritten.keys()):
+            del self.left_traced[fqn]
+            self.report[:] = [line for line in self.report if not line.startswith(f"skipped {fqn}: ")]

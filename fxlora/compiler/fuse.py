@@ -10,7 +10,8 @@ layout (:meth:`AdapterPool.join`); each member's users read its output from the 
 A block applied several times (a recurrent layer) makes one set per application, each the
 same group of the pool. Runs before ``lora_linear``, which takes the linears left over. A set
 is left alone, and reported, when the pool cannot join it or when a member's weight is
-computed after the first member's call.
+computed after the first member's call. Calls of tensor-subclass weights (torchao's quantised
+weights) are ``lora_delta``'s.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fxlora.adapters import PoolTarget
 from fxlora.compiler.annotate import LINEAR
 from fxlora.compiler.batch_info import row_dim
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import base_calls, call_arg, meta_shape, meta_value
+from fxlora.compiler.graph_edit import base_calls, call_arg, meta_shape, meta_value, reads_wrapped_tensor
 from fxlora.compiler.lora_linear import linear_weight, lora_operands
 from fxlora.errors import NotServed
 
@@ -35,7 +36,8 @@ MAX_MEMBERS = 4  # the expands update at most four outputs (sgmv.MAX_SLICES); mo
 
 def fuse(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     readers: dict[fx.Node, list[tuple[PoolTarget, fx.Node]]] = defaultdict(list)
-    for target, node in base_calls(gm, ctx, "linear", lambda n: n.target in LINEAR, linear_weight):
+    is_base = lambda n: n.target in LINEAR and not reads_wrapped_tensor(n)  # noqa: E731
+    for target, node in base_calls(gm, ctx, "linear", is_base, linear_weight):
         x, weight = call_arg(node, 0, "input"), call_arg(node, 1, "weight")
         shape_fits = meta_shape(weight) == (target.info.out_features, target.info.in_features)
         # a module called twice on one input (rare) has its second call served on its own

@@ -10,7 +10,9 @@ transposed, becomes the same op on ``weight.t()``. A module whose forward calls 
 several times over its weight has each call replaced, each its own op over the same pool
 buffers. A module whose calls read different weights, whose weight shape differs from the
 pool's, or whose input's rows cannot be told (:func:`fxlora.compiler.batch_info.row_dim`), is
-left alone and reported. Linears of modules no adapter targets are untouched.
+left alone and reported. Calls that read a tensor subclass (torchao's quantised weights) are
+left to ``lora_delta``, which adds the delta onto whatever they compute. Linears of modules no
+adapter targets are untouched.
 """
 
 from __future__ import annotations
@@ -22,13 +24,22 @@ from fxlora.adapters import PoolGroup, PoolTarget
 from fxlora.compiler.annotate import LINEAR, is_conv1d_addmm
 from fxlora.compiler.batch_info import batch_info_for, row_dim
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import base_calls, call_arg, fake_value, meta_shape, pool_nodes, replace_with
+from fxlora.compiler.graph_edit import (
+    base_calls,
+    call_arg,
+    fake_value,
+    meta_shape,
+    pool_nodes,
+    reads_wrapped_tensor,
+    replace_with,
+)
 from fxlora.errors import NotServed
-from fxlora.ops.lora_linear import lora_workspace
+from fxlora.ops.lora_delta import lora_workspace
 
 
 def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    for target, node in base_calls(gm, ctx, "linear", lambda n: n.target in LINEAR or is_conv1d_addmm(n), linear_weight):
+    is_base = lambda n: (n.target in LINEAR or is_conv1d_addmm(n)) and not reads_wrapped_tensor(n)  # noqa: E731
+    for target, node in base_calls(gm, ctx, "linear", is_base, linear_weight):
         fqn = target.fqn
         conv1d = node.target is torch.addmm
         if conv1d:

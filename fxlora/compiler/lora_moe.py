@@ -27,7 +27,15 @@ from fxlora.adapters import experts
 from fxlora.compiler.batch_info import batch_info_for, row_dim
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.experts_probe import choose_layout, prove_region
-from fxlora.compiler.graph_edit import fake_value, input_values, meta_value, pool_nodes
+from fxlora.compiler.graph_edit import (
+    fake_value,
+    input_values,
+    meta_value,
+    module_region,
+    pool_nodes,
+    region_inputs,
+    region_outputs,
+)
 from fxlora.errors import NotServed
 from fxlora.ops.moe_lora import moe_routing_workspace, moe_workspace
 
@@ -42,7 +50,7 @@ def lora_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             groups[owner][param] = target
     values = input_values(gm, ctx)
     for owner, targets in groups.items():
-        region = [n for n in gm.graph.nodes if n.op.startswith("call") and _inside(n.meta.get("fxlora_module"), owner)]
+        region = module_region(gm, owner)
         if not region:
             continue
         try:
@@ -54,22 +62,10 @@ def lora_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _inside(fqn: str | None, owner: str) -> bool:
-    return fqn is not None and (fqn == owner or fqn.startswith(owner + "."))
-
-
 def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.Node], values) -> None:
     module = next(iter(targets.values())).info.owner
     layout = choose_layout(module)
-    # size arithmetic (SymInts under dynamic shapes) computed from the region's inputs alone
-    # stays in both variants: code after the region may reuse it
-    inside, sizes = set(region), set()
-    for n in region:
-        if not isinstance(meta_value(n), torch.Tensor) and all(a not in inside or a in sizes for a in n.all_input_nodes):
-            sizes.add(n)
-    region = [n for n in region if n not in sizes]
-    inside = set(region)
-    outputs = [n for n in region if any(u not in inside for u in n.users)]
+    outputs = region_outputs(region)
     if len(outputs) != 1:
         raise NotServed(f"its traced region has {len(outputs)} outputs, not one")
     hidden, top_k_index, top_k_weights, found, up_name = _match_inputs(region, module, values)
@@ -111,8 +107,7 @@ def _match_inputs(
 ) -> tuple[fx.Node, fx.Node, fx.Node, dict[str, fx.Node], str]:
     """``(hidden, top_k_index, top_k_weights, parameter nodes, up parameter name)`` of the
     region; raises :class:`NotServed` when they cannot be told apart."""
-    inside = set(region)
-    external = dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside)
+    external = region_inputs(region)
     params = experts.experts_parameters(module)
     up_name = next(n for n in params if n in experts.UP_PARAMETERS)
     wanted = {"up": params[up_name], "down": params["down_proj"]}

@@ -1,7 +1,7 @@
 """Tiny random-weight models and PEFT adapters for tests and demos (no model hub).
 
 ``tiny_model(family)`` builds a ``transformers`` causal LM from a config with random
-weights; ``make_adapter`` wraps a copy of it with PEFT, gives the LoRA factors random
+weights, ``quantized_model`` a torchao-quantised copy of one; ``make_adapter`` wraps a copy of it with PEFT, gives the LoRA factors random
 values and returns the adapter saved to a directory or as ``(config, state_dict)``.
 """
 
@@ -99,6 +99,20 @@ def fill_zero_weights(model: torch.nn.Module, std: float) -> None:
     for p in model.parameters():
         if p.dim() >= 2 and not p.any():
             p.normal_(0.0, std)
+
+
+def quantized_model(model: torch.nn.Module, quant_type: Any, **kwargs: Any) -> torch.nn.Module:
+    """``model`` quantised by torchao as transformers users load one: saved to a temporary
+    directory and read back with ``from_pretrained(..., quantization_config=TorchAoConfig(
+    quant_type))`` (``kwargs``: further ``from_pretrained`` arguments). No hub needed."""
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    with tempfile.TemporaryDirectory(prefix="fxlora-quantized-") as directory:
+        model.save_pretrained(directory)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            directory, quantization_config=TorchAoConfig(quant_type), dtype=model.dtype, **kwargs
+        )
+    return quantized.eval()
 
 
 def lora_module_names(model: torch.nn.Module) -> list[str]:

@@ -1,9 +1,13 @@
-"""The correctness oracles: PEFT, one adapter at a time, on the rows that use it; and the
-model with one adapter merged into a copy of its weights.
+"""The correctness oracles: PEFT, one adapter at a time, on the rows that use it; the model
+with one adapter merged into a copy of its weights; and the exact decomposition, the model's
+own output with each targeted module's reference delta added onto it.
 
 For a mixed batch the reference output of a row is what PEFT gives with that row's adapter
 active (the unmodified model for ``None`` rows), computed on the sub-batch of rows sharing
-the adapter. The merged oracle needs no PEFT at all: ``W + scaling · B @ A`` per module.
+the adapter. The merged oracle needs no PEFT at all: ``W + scaling · B @ A`` per module. The
+decomposition needs neither PEFT nor access to the weights: the model runs its own base
+computation (a quantised matmul PEFT does not wrap, say) and forward hooks add
+``scaling · (x Aᵀ) Bᵀ`` onto the output of every module the row's adapter touches.
 Tolerances live here, one per dtype: float32 compares by relative error, float16 / bfloat16
 by the KL divergence of the per-token log-probabilities.
 
@@ -24,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +186,64 @@ def merged_logits(
     return _per_adapter_logits(run, adapter_names, whole_batch, inputs)
 
 
+@torch.no_grad()
+def decomposed_logits(
+    model: torch.nn.Module,
+    adapters: Mapping[str, Any],
+    adapter_names: Sequence[str | None],
+    *,
+    whole_batch: bool = False,
+    **inputs: Any,
+) -> torch.Tensor:
+    """Logits of every row from ``model`` as it is, with the reference delta of the row's
+    adapter (anything :func:`fxlora.adapters.read_adapter` takes) added onto the output of
+    every linear and embedding module it touches, as PEFT's wrappers add it onto their base
+    layer's (``None``: no delta); run on the sub-batch of rows sharing the adapter, or with
+    ``whole_batch`` on all rows. Adapters of MoE experts parameters have no module output to
+    add onto and are refused."""
+
+    def run(name: str | None) -> Callable[..., Any]:
+        if name is None:
+            return model
+        hooks = _delta_hooks(model, name, adapters[name])
+
+        def call(**rows: Any) -> Any:
+            handles = [model.get_submodule(fqn).register_forward_hook(hook, with_kwargs=True) for fqn, hook in hooks.items()]
+            try:
+                return model(**rows)
+            finally:
+                for h in handles:
+                    h.remove()
+
+        return call
+
+    return _per_adapter_logits(run, adapter_names, whole_batch, inputs)
+
+
+def _delta_hooks(model: torch.nn.Module, name: str, adapter: Any) -> dict[str, Callable[..., Any]]:
+    """Per module the adapter touches, a forward hook adding its delta onto the output."""
+    from fxlora.adapters import placement, read_adapter
+
+    hooks = {}
+    for fqn, f in placement.resolve(read_adapter(name, adapter), model).modules.items():
+        if f.kind not in ("linear", "embedding"):
+            raise ValueError(f"the decomposition oracle adds deltas onto module outputs; adapter {name!r} has {f.kind} LoRA on {fqn!r}")
+        hooks[fqn] = functools.partial(_add_delta, f)
+    return hooks
+
+
+def _add_delta(f: Any, module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+    x = args[0] if args else next(iter(kwargs.values()))  # the module's one input
+    if f.kind == "embedding":  # PEFT: F.embedding(ids, A.T) @ B.T * scaling, times the module's own embed_scale
+        delta = (F.embedding(x, f.a.T) @ f.b.T) * f.scaling
+        scale = getattr(module, "embed_scale", None)
+        if scale is not None:
+            delta = delta * torch.as_tensor(scale).to(delta.dtype)
+    else:  # PEFT: lora_B(lora_A(x)) * scaling, in the factors' dtype
+        delta = F.linear(F.linear(x.to(f.a.dtype), f.a), f.b) * f.scaling
+    return output + delta.to(output.dtype)
+
+
 def check_rows(
     out: torch.Tensor,
     ref: torch.Tensor,
@@ -253,7 +316,8 @@ def assert_matches_peft(
     **inputs: Any,
 ) -> torch.Tensor:
     """Run ``compiled`` (an ``fxlora.CompiledModel``) on a mixed batch and check every row
-    against PEFT with that row's adapter. Returns the compiled logits.
+    against PEFT with that row's adapter. Returns the compiled logits. For a base PEFT does not
+    wrap, :func:`assert_matches_decomposition`.
 
     ``adapters`` maps names to what was loaded (directories or ``(config, state_dict)``);
     pass ``peft_model`` to reuse one built by :func:`peft_model_with`."""
@@ -276,6 +340,34 @@ def assert_matches_peft(
         tolerance,
         noise=lambda: oracle_noise(reference, exact if used else None, adapter_names, **inputs),
         oracle="the PEFT oracle",
+    )
+    return out
+
+
+def assert_matches_decomposition(
+    compiled: Any,
+    model: torch.nn.Module,
+    adapters: Mapping[str, Any],
+    adapter_names: Sequence[str | None],
+    *,
+    tolerance: float | None = None,
+    **inputs: Any,
+) -> torch.Tensor:
+    """:func:`assert_matches_peft` against the exact decomposition (:func:`decomposed_logits`):
+    ``model``'s own output plus the reference delta of each row's adapter on every module it
+    touches. For bases PEFT does not wrap, such as quantised layers; ``model`` must be the
+    model ``compiled`` serves (as it was before compiling). Returns the compiled logits."""
+    with torch.no_grad():
+        out = compiled(adapter_names=list(adapter_names), **inputs).logits
+    reference = functools.partial(decomposed_logits, model, adapters)
+    check_rows(
+        out,
+        reference(adapter_names, **inputs),
+        adapter_names,
+        inputs.get("attention_mask"),
+        tolerance,
+        noise=lambda: oracle_noise(reference, None, adapter_names, **inputs),
+        oracle="the decomposition oracle",
     )
     return out
 
