@@ -112,13 +112,11 @@ def test_a_module_called_twice_is_served_at_each_call(tmp_path):
     assert "Not served:\n  vision: targeted, but no traced graph calls it\n\n" in cm.explain()
 
 
-def test_a_module_whose_calls_read_other_weights_raises(tmp_path):
+def test_a_module_whose_call_makes_two_linears_gets_the_delta_on_its_output(tmp_path):
     model = ToyLM(out=TwoWeights)  # o's forward adds a linear over a flipped copy of its weight
-    cm, _ = compiled(model, tmp_path)
-    with pytest.raises(fxlora.LoraNotRunError, match=r"'blocks\.0\.o'.*leaves it as traced"):
-        cm(input_ids=ids(), adapter_names=ROWS)
-    assert "skipped blocks.0.o: its forward makes 2 linear calls that do not all read its weight" in cm.explain()
-    cm(input_ids=ids(), adapter_names=["b", None, "b", None])  # b changes only q: served
+    cm, adapters = compiled(model, tmp_path)
+    assert_matches_peft(cm, model, adapters, ROWS, input_ids=ids())  # PEFT adds the delta onto o's output
+    assert cm.backend.rewritten["blocks.0.o"] == "fxlora::lora_delta"
 
 
 def test_a_graph_reused_for_another_instance_serves_it(tmp_path):
