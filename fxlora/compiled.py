@@ -17,15 +17,17 @@ from typing import Any
 
 import torch
 
-from fxlora.adapters import AdapterPool, experts, model_modules, read_adapter
+from fxlora.adapters import AdapterPool, experts, model_modules, placement, read_adapter
 from fxlora.adapters.peft_format import AdapterSource
+from fxlora.adapters.quantization import check_quantized
 from fxlora.compiler.annotate import ModuleTree
-from fxlora.errors import AdapterError
+from fxlora.compiler.experts_probe import choose_layout
+from fxlora.errors import AdapterError, NotServed
 from fxlora.runtime import Backend
 from fxlora.runtime.backend import raise_recompile_limit
 from fxlora.runtime.explain import report
 from fxlora.runtime.generation import DecodeRuntime, Sampling
-from fxlora.runtime.routing import Selection, check_names, selecting, warn_unnamed
+from fxlora.runtime.routing import Selection, check_names, selecting, warn_unnamed, watch_calls
 
 log = logging.getLogger(__name__)
 
@@ -68,22 +70,23 @@ class CompiledModel(torch.nn.Module):
 
     def forward(self, *args: Any, adapter_names: Sequence[str | None] | None = None, **kwargs: Any) -> Any:
         names = check_names(adapter_names)
-        rows = _batch_rows(args, kwargs)
+        # Views of a larger tensor would make Dynamo guard on their base and offset and
+        # retrace for each new slicing; a private copy of such small inputs avoids that.
+        args = tuple(_own(a) for a in args)
+        kwargs = {k: _own(v) for k, v in kwargs.items()}
+        batch = _batch_input(args, kwargs)  # graphs traced in this call find their rows through it
+        rows = batch.shape[0] if batch is not None and batch.dim() > 0 else None
         if rows == 0:
             raise ValueError("the batch has 0 rows: call with at least one")
         if names is None:
             warn_unnamed(self.pool)
         elif rows is not None and len(names) != rows:
             raise AdapterError(f"adapter_names has {len(names)} entries but the batch has {rows} rows")
-        # Views of a larger tensor would make Dynamo guard on their base and offset and
-        # retrace for each new slicing; a private copy of such small inputs avoids that.
-        args = tuple(_own(a) for a in args)
-        kwargs = {k: _own(v) for k, v in kwargs.items()}
         for t in (*args, *kwargs.values()):
             mark_batch_dims_dynamic(t)
         if not self._backend.records:
             log.info("tracing and compiling %s: the first call of each input layout takes a while", type(self.model).__name__)
-        with selecting(Selection(names=names)) as selection:
+        with selecting(Selection(names=names, batch=batch, watched=True)) as selection:
             selection.slot_ids(self.pool, self._device)  # resolved once, here: unknown names fail before any work
             with self._backend.lock:
                 out = self._compiled(*args, **kwargs)
@@ -140,7 +143,7 @@ class CompiledModel(torch.nn.Module):
     def load_adapter(self, name: str, source: AdapterSource) -> None:
         """Load an adapter into a free slot: graphs are not retraced. On any error nothing
         changes."""
-        self.pool.load(experts.resolve(read_adapter(name, source), self.model))
+        self.pool.load(placement.resolve(read_adapter(name, source), self.model))
 
     def unload_adapter(self, name: str) -> None:
         self.pool.unload(name)
@@ -195,12 +198,13 @@ def _own(x: Any) -> Any:
     return x.clone() if isinstance(x, torch.Tensor) and x._base is not None else x
 
 
-def _batch_rows(args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+def _batch_input(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The input whose first dimension is the batch's rows."""
     for key in ("input_ids", "inputs_embeds"):
         if isinstance(kwargs.get(key), torch.Tensor):
-            return kwargs[key].shape[0]
+            return kwargs[key]
     if args and isinstance(args[0], torch.Tensor):
-        return args[0].shape[0]
+        return args[0]
     return None
 
 
@@ -226,8 +230,10 @@ def compile(
     adapters and base model. ``target_modules`` (PEFT syntax, ``"all-linear"`` included)
     reserves pool space for adapters loaded later; by default the modules of the given
     adapters are the targets, or every linear layer but the output head when none are given.
-    The model itself is not modified, but for one setting: MoE experts that run transformers'
-    eager loop (it reads routing on the host) are switched to its `grouped_mm` implementation.
+    The model itself is not modified, but for two settings: MoE experts that run transformers'
+    eager loop (it reads routing on the host) are switched to its `grouped_mm` implementation,
+    and each targeted module gets a forward pre-hook that notes, during a call of the compiled
+    model, a call of it that runs outside the compiled graphs (it does nothing otherwise).
 
     ``generate`` serves batches of up to ``max_batch_size`` rows of up to ``max_len`` tokens
     (prompt and new tokens) from a static KV cache; its decode steps replay CUDA graphs
@@ -256,32 +262,48 @@ def compile(
         output_embedding=next((n for n, m in model.named_modules() if m is output_head), None),
     )
     for name, source in adapters.items():
-        pool.load(experts.resolve(read_adapter(name, source), model))
-    pool.register_modules(model_modules(model), complete=True)
+        pool.load(placement.resolve(read_adapter(name, source), model))
+    modules = model_modules(model)
+    quantized = check_quantized(model, pool, modules)  # before the pool compares weights it cannot read
+    pool.register_modules(modules, complete=True)
+    _check_experts_gates(model, pool)
     config = getattr(model, "config", None)
-    if getattr(config, "_experts_implementation", None) in (None, "eager") and any(
-        experts.is_experts(m) for m in model.modules()
+    if (
+        getattr(config, "_experts_implementation", None) in (None, "eager")
+        and any(experts.is_experts(m) for m in model.modules())
+        and not (quantized and quantized.experts)  # grouped_mm cannot read quantised experts
     ):
         # the eager experts loop reads routing on the host and breaks the graph; this one traces.
         # Switched after every check, so that a compile that fails leaves the model as it was.
         model.set_experts_implementation("grouped_mm")
         log.info("experts switched to the traceable grouped_mm implementation")
     backend = Backend(pool, modules=ModuleTree(model), inner=inner)
-    quantization = getattr(config, "quantization_config", None) or getattr(model, "hf_quantizer", None)
-    if quantization is not None:
-        fields = quantization if isinstance(quantization, dict) else vars(quantization)
-        method = fields.get("quant_method")
-        note = (
-            f"the base model is quantised ({method or type(quantization).__name__}): quantisation hooks are out of "
-            "scope, LoRA ops read its weights as plain tensors"
-        )
-        backend.notes.append(note)
-        log.warning("%s", note)
+    # a call of a target outside the compiled graphs is seen, so one the model makes nowhere needs no LoRA
+    watch_calls(model, {fqn: t.module for fqn, t in pool.targets.items()})
+    if quantized is not None:
+        backend.notes.append(quantized.describe())
+        log.info("%s", quantized.describe())
     raise_recompile_limit()
     compiled = torch.compile(own_code_object(model), backend=backend, dynamic=dynamic, fullgraph=fullgraph)
     log.info("%d adapters in %d target modules", len(adapters), len(pool.targets))
     runtime = dict(max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs)
     return CompiledModel(model, backend, compiled, runtime)
+
+
+def _check_experts_gates(model: torch.nn.Module, pool: AdapterPool) -> None:
+    """Refuse, before anything is traced, experts modules the pool targets whose gate
+    ``fxlora::moe_lora`` cannot compute: no adapter could ever be served on them."""
+    owners: dict[str, list[str]] = {}
+    for fqn, target in pool.targets.items():
+        if target.info.kind == "experts":
+            owners.setdefault(fqn.rpartition(".")[0], []).append(fqn)
+    for owner, fqns in owners.items():
+        try:
+            choose_layout(model.get_submodule(owner))
+        except NotServed as why:
+            users = sorted(n for n, a in pool.adapters.items() if a.modules.keys() & set(fqns))
+            by = f" (adapter(s) {users})" if users else " (target_modules)"
+            raise AdapterError(f"experts module {owner!r} is targeted{by}, but {why}: fxlora cannot serve LoRA on it") from None
 
 
 def own_code_object(model: torch.nn.Module) -> Callable[..., Any]:

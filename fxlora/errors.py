@@ -9,6 +9,11 @@ class AdapterError(ValueError):
     """
 
 
+class QuantizationError(ValueError):
+    """The base model is quantised in a way fxlora cannot add LoRA onto, on a module LoRA
+    targets; the message names the quantisation method and the module."""
+
+
 class LoraNotRunError(RuntimeError):
     """A row asks for an adapter whose LoRA did not run on a module it targets: that part of
     the model ran outside the compiled graphs (a graph break, or Dynamo giving up on a frame),

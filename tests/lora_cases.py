@@ -1,6 +1,7 @@
-"""Shared by the LoRA kernel tests: a hypothesis draw of one multi-slice case (pool factors in
-the kernels' layout, inputs, batch info, slot assignments) and its reference result; and the
-global memory instructions of a kernel compiled for Hopper, for checks of its access widths."""
+"""Shared by the LoRA kernel tests: a linear with its pool factors and the LoRA formula token by
+token; a hypothesis draw of one multi-slice case (pool factors in the kernels' layout, inputs,
+batch info, slot assignments) and its reference result; and the global memory instructions of
+a kernel compiled for Hopper, for checks of its access widths."""
 
 import json
 import os
@@ -9,15 +10,45 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from fxlora.ops import LoraWeights
 from fxlora.ops.batch_info import fast_token_segments, token_segments
-from fxlora.ops.lora_linear import sliced_delta_reference
+from fxlora.ops.lora_delta import sliced_delta_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def make_case(gen, tokens, d_in, d_out, max_rank, ranks, slots, dtype, bias=True):
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    lora_a, lora_b = r(len(ranks), max_rank, d_in) / d_in**0.5, r(len(ranks), d_out, max_rank)
+    for s, rank in enumerate(ranks):  # the pool zero-pads beyond each slot's rank
+        lora_a[s, rank:], lora_b[s, :, rank:] = 0, 0
+    scaling = torch.rand(len(ranks), generator=gen) * 2
+    rank = torch.tensor(ranks, dtype=torch.int32)
+    x, w = r(tokens, d_in), r(d_out, d_in) / d_in**0.5
+    b = r(d_out) if bias else None
+    slot_ids = torch.tensor(slots, dtype=torch.int32)
+    return x, w, b, lora_a, lora_b, scaling, rank, slot_ids
+
+
+def multi_slice(members: tuple[LoraWeights, ...]) -> LoraWeights:
+    """The members' factors in the multi-slice layout: rank rows and output rows stacked,
+    ``scaling`` and ``rank`` per (slot, member), slot-major."""
+    a, b, scaling, rank = zip(*members, strict=True)
+    return LoraWeights(torch.cat(a, 1), torch.cat(b, 1), torch.stack(scaling, 1).flatten(), torch.stack(rank, 1).flatten())
+
+
+def per_token(x, w, b, lora_a, lora_b, scaling, rank, token_slot):
+    out = F.linear(x, w, b).float()
+    for t, s in enumerate(token_slot.tolist()):
+        if s >= 0:
+            r = int(rank[s])
+            out[t] += scaling[s] * (lora_b[s, :, :r].float() @ (lora_a[s, :r].float() @ x[t].float()))
+    return out
 
 
 def pool_factors(gen, slots, slices, max_rank, d_in, widths, ranks, dtype):

@@ -1,5 +1,5 @@
 """The public API around the core: PeftModel input, the user's model left alone, the
-Dynamo entry point in a fresh process, explain(), and the eager-fallback guard."""
+Dynamo entry point in a fresh process, explain(), and the guard against LoRA that did not run."""
 
 import copy
 import os
@@ -93,6 +93,16 @@ def test_lora_skipped_by_eager_fallback_is_an_error(model, inputs, tmp_path):
         with pytest.raises(fxlora.LoraNotRunError, match="did not run"):
             cm(**inputs, adapter_names=["a", None, None])
         cm(**inputs, adapter_names=[None, None, None])  # base rows only: the eager model is right
+
+
+def test_lora_a_pass_left_out_names_the_adapter_and_why(model, inputs, tmp_path):
+    renorm = copy.deepcopy(model)
+    renorm.get_input_embeddings().max_norm = 1e6  # a lookup that renormalises its weight in place
+    adapter = make_adapter(renorm, LoraConfig(r=4, target_modules=["embed_tokens"]), 0, str(tmp_path / "a"))
+    cm = fxlora.compile(renorm, adapters={"a": adapter})
+    with pytest.raises(fxlora.LoraNotRunError, match=r"\['a'\].*'model\.embed_tokens'.*max_norm renormalises"):
+        cm(**inputs, adapter_names=["a", None, None])
+    cm(**inputs, adapter_names=[None, None, None])
 
 
 def test_backend_entry_point_in_a_fresh_process(tmp_path):

@@ -198,3 +198,24 @@ def test_entry_points_agree(served, tmp_path, caplog):
     assert [r.message for r in caplog.records if "CUDA graphs" in r.message] == [
         "running without CUDA graphs: the model is on cpu, not CUDA"
     ]
+
+
+def test_time_major_model_matches_peft_with_seq_equal_to_batch():
+    """XLNet runs its layers on ``(seq, batch, hidden)``: with as many positions as rows every
+    token dimension has the batch's size, and each row still gets its own adapter."""
+    from peft import LoraConfig
+    from transformers import XLNetConfig, XLNetLMHeadModel
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = XLNetConfig(vocab_size=96, d_model=32, n_layer=2, n_head=2, d_inner=48, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)  # fmt: skip
+    model = XLNetLMHeadModel(config).eval()
+    adapters = {n: make_adapter(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"), seed=r,
+                                directory="") for n, r in (("a", 4), ("b", 2))}  # fmt: skip
+    cm = fxlora.compile(model, adapters, max_loras=2, max_rank=4)
+    for rows, seq in ((4, 4), (3, 5)):
+        ids = torch.randint(3, 96, (rows, seq), generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            assert_matches_peft(cm, model, adapters, ["a", None, "b", "a"][:rows], input_ids=ids)
+    assert {f.rsplit(".", 1)[-1] for f in cm.backend.rewritten} == {"layer_1", "layer_2"}

@@ -45,6 +45,27 @@ def test_batch_info_groups_tokens_by_slot(rows, per_row, num_slots, data, flat):
     check_segments(token_slot.tolist(), *segments, num_slots)
 
 
+@given(
+    rows=st.integers(1, 6),
+    seq=st.integers(1, 5),
+    num_slots=st.integers(1, 40),
+    data=st.data(),
+)
+def test_batch_info_of_time_major_tokens(rows, seq, num_slots, data):
+    """``(seq, batch, ...)`` tokens with ``row_dim=1``: position ``s`` of row ``b`` is token
+    ``s · batch + b``, on every device's implementation (CUDA's one-launch sort takes rows in
+    order, so these take the ATen path there)."""
+    slots = data.draw(st.lists(st.integers(-1, num_slots - 1), min_size=rows, max_size=rows))
+    slot_ids = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    tokens = torch.empty(seq, rows, 7, device=DEVICE)
+    token_slot, *segments = batch_info(slot_ids, tokens, 1, num_slots, 1)
+    assert token_slot.tolist() == [slots[b] for _ in range(seq) for b in range(rows)]
+    check_segments(token_slot.tolist(), *(t.cpu() for t in segments), num_slots)
+    if rows > 1 and seq != rows:
+        with pytest.raises(AdapterError, match=f"adapter_names has {rows} entries but the batch has {seq} rows"):
+            batch_info(slot_ids, tokens, 1, num_slots, 0)  # the first dimension is not the rows
+
+
 def test_batch_info_of_token_ids():
     out = batch_info(torch.tensor([1, -1], dtype=torch.int32), torch.zeros(2, 3, dtype=torch.long), 0, 2)
     assert out[0].tolist() == [1, 1, 1, -1, -1, -1]
@@ -60,6 +81,11 @@ def test_batch_info_schema_and_fake():
     torch.library.opcheck(
         torch.ops.fxlora.batch_info.default,
         (torch.tensor([0, -1, 1], dtype=torch.int32), torch.empty(3, 2, 5), 1, 3),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    torch.library.opcheck(
+        torch.ops.fxlora.batch_info.default,
+        (torch.tensor([0, -1, 1], dtype=torch.int32), torch.empty(2, 3, 5), 1, 3, 1),
         test_utils=("test_schema", "test_faketensor"),
     )
 

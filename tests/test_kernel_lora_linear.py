@@ -7,42 +7,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from lora_cases import DEVICE
+from lora_cases import DEVICE, TOL, make_case, multi_slice, per_token
 
 from fxlora.ops import BatchInfo, LoraWeights, batch_info, lora_linear, lora_linear_fused
-from fxlora.ops.lora_linear import lora_workspace
+from fxlora.ops.lora_delta import lora_workspace
 from fxlora.ops.triton import sgmv
-
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
-
-
-def make_case(gen, tokens, d_in, d_out, max_rank, ranks, slots, dtype, bias=True):
-    r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
-    lora_a, lora_b = r(len(ranks), max_rank, d_in) / d_in**0.5, r(len(ranks), d_out, max_rank)
-    for s, rank in enumerate(ranks):  # the pool zero-pads beyond each slot's rank
-        lora_a[s, rank:], lora_b[s, :, rank:] = 0, 0
-    scaling = torch.rand(len(ranks), generator=gen) * 2
-    rank = torch.tensor(ranks, dtype=torch.int32)
-    x, w = r(tokens, d_in), r(d_out, d_in) / d_in**0.5
-    b = r(d_out) if bias else None
-    slot_ids = torch.tensor(slots, dtype=torch.int32)
-    return x, w, b, lora_a, lora_b, scaling, rank, slot_ids
-
-
-def multi_slice(members: tuple[LoraWeights, ...]) -> LoraWeights:
-    """The members' factors in the multi-slice layout: rank rows and output rows stacked,
-    ``scaling`` and ``rank`` per (slot, member), slot-major."""
-    a, b, scaling, rank = zip(*members, strict=True)
-    return LoraWeights(torch.cat(a, 1), torch.cat(b, 1), torch.stack(scaling, 1).flatten(), torch.stack(rank, 1).flatten())
-
-
-def per_token(x, w, b, lora_a, lora_b, scaling, rank, token_slot):
-    out = F.linear(x, w, b).float()
-    for t, s in enumerate(token_slot.tolist()):
-        if s >= 0:
-            r = int(rank[s])
-            out[t] += scaling[s] * (lora_b[s, :, :r].float() @ (lora_a[s, :r].float() @ x[t].float()))
-    return out
 
 
 @given(

@@ -5,6 +5,8 @@ the nolora graph is the base model bit for bit."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -13,8 +15,10 @@ from hypothesis import strategies as st
 from peft import LoraConfig
 
 import fxlora
+from fxlora.adapters import experts
 from fxlora.compiler.arena import hoisted
-from fxlora.errors import AdapterError
+from fxlora.compiler.experts_probe import choose_layout, prove_region
+from fxlora.errors import AdapterError, LoraNotRunError, NotServed
 from fxlora.testing import (
     MOE_FAMILIES,
     assert_matches_peft,
@@ -27,6 +31,7 @@ from fxlora.testing import (
     shared_outer,
     tiny_model,
 )
+from fxlora.testing.models import fill_zero_weights
 from fxlora.testing.oracle import RTOL
 
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
@@ -212,26 +217,140 @@ def test_generate_equals_peft_greedy(family):
     assert {"moe_workspace", "moe_routing_workspace"} <= kinds and cm.backend.arena.nbytes > 0
 
 
-def test_quantised_base_is_named_in_explain():
+def test_experts_with_a_gate_the_op_does_not_know_are_refused_at_compile_time():
     torch._dynamo.reset()
-    model = _model("qwen3_moe")
-    model.config.quantization_config = {"quant_method": "fp8"}
-    cm = fxlora.compile(model, _adapters(model, "qwen3_moe"), max_loras=2, max_rank=8)
-    assert "quantised (fp8): quantisation hooks are out of scope" in cm.explain()
+    model = _model("qwen3_moe", "eager")
+    owner = next(n for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    model.get_submodule(owner).is_concatenated = False  # interleaved halves without GPT-OSS's gate: no known layout
+    with pytest.raises(AdapterError, match=rf"experts module '{owner}' is targeted \(adapter\(s\) \['a', 'b'\]\), "
+                       r"but its gate \(Qwen3MoeExperts._apply_gate, act_fn SiLUActivation\) is not one fxlora::moe_lora knows"):
+        fxlora.compile(model, _adapters(model, "qwen3_moe"), max_loras=2, max_rank=8)
+    assert model.config._experts_implementation == "eager"  # a refused compile leaves the model as it was
 
 
-def test_experts_the_op_cannot_serve_are_left_alone_and_reported():
+def _wrong_activation(monkeypatch):
+    """Make lora_moe read every experts module's activation as GELU, whatever it is."""
+    lora_moe = importlib.import_module("fxlora.compiler.lora_moe")  # the package exports the pass by this name
+    chosen = lora_moe.choose_layout
+    monkeypatch.setattr(lora_moe, "choose_layout", lambda m: dataclasses.replace(chosen(m), act="gelu"))
+
+
+def test_a_layout_the_probe_disproves_is_left_alone_and_named(monkeypatch):
+    """Rows without an adapter run the op in a mixed batch: a layout that does not compute as
+    the module does (here a wrong activation) must never replace the region."""
     torch._dynamo.reset()
+    _wrong_activation(monkeypatch)
     model = _model("qwen3_moe")
     owners = [n for n, m in model.named_modules() if n.endswith("mlp.experts")]
-    model.get_submodule(owners[0]).is_concatenated = False  # interleaved halves without GPT-OSS's gate: no known layout
     cm = fxlora.compile(model, _adapters(model, "qwen3_moe"), max_loras=2, max_rank=8)
-    ids = torch.randint(3, 96, (1, 4))
+    ids = torch.randint(3, 96, (2, 4), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        assert torch.equal(cm(input_ids=ids).logits, model(input_ids=ids).logits)
-    assert f"skipped {owners[0]}: its gate (Qwen3MoeExperts._apply_gate) is not one fxlora::moe_lora knows" in cm.explain()
-    assert cm.backend.rewritten.get(f"{owners[1]}.down_proj") == "fxlora::moe_lora"
-    assert f"{owners[0]}.down_proj" not in cm.backend.rewritten
+        assert torch.equal(cm(input_ids=ids, adapter_names=[None, None]).logits, model(input_ids=ids).logits)
+        with pytest.raises(LoraNotRunError, match=r"did not run: fxlora left that module as traced, because "
+                           r"fxlora::moe_lora with the layout read from it \(transposed=False, gate='glu', act='gelu'\) "
+                           r"differs from Qwen3MoeExperts.forward by"):
+            cm(input_ids=ids, adapter_names=["a", None])
+    explain = cm.explain()
+    assert all(f"skipped {o}: fxlora::moe_lora with the layout read from it" in explain for o in owners)
+    assert not any(f"{o}.down_proj" in cm.backend.rewritten for o in owners)
+
+
+def _probe_inputs(module, tokens=5, top_k=2):
+    """What prove_region reads of the traced inputs (dtypes, top-k), and a pool bundle."""
+    experts_count, out, fin = module.gate_up_proj.shape
+    traced = (torch.empty(tokens, fin), torch.empty(tokens, top_k, dtype=torch.long), torch.empty(tokens, top_k))
+    bundle = [torch.zeros(1, experts_count, 2, fin), torch.zeros(1, experts_count, out, 2), torch.zeros(1),
+              torch.zeros(1, dtype=torch.int32)]  # fmt: skip
+    return traced, bundle
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_the_region_probe_checks_the_op_against_the_modules_forward(family):
+    model = _model(family)
+    module = next(m for m in model.modules() if experts.is_experts(m))
+    traced, bundle = _probe_inputs(module)
+    layout = choose_layout(module)
+    prove_region(module, layout, traced, bundle, [])
+    wrong = [dataclasses.replace(layout, transposed=not layout.transposed)]
+    wrong += [dataclasses.replace(layout, act="gelu")] if layout.act else [dataclasses.replace(layout, alpha=1.0)]
+    for bad in wrong:
+        with pytest.raises(NotServed, match=rf"differs from {type(module).__name__}.forward|does not run"):
+            prove_region(module, bad, traced, bundle, [])
+
+
+EXPERTS_CLASSES = [  # (modeling module, config class, experts class, config fields, the layout's gate and act)
+    ("hy_v4", "HYV4Config", "HYV4Experts", dict(num_local_experts=4, moe_intermediate_size=8), ("glu_clamped", "silu")),
+    ("minimax_m3_vl", "MiniMaxM3VLTextConfig", "MiniMaxM3VLExperts", dict(num_local_experts=4, intermediate_size=8),
+     ("glu_concatenated_clamped", "")),
+    ("gpt_oss", "GptOssConfig", "GptOssExperts", dict(num_local_experts=4, intermediate_size=8),
+     ("glu_interleaved_clamped", "")),
+    ("aria", "AriaTextConfig", "AriaExperts", dict(moe_num_experts=4, intermediate_size=8, hidden_act="gelu"),
+     ("glu", "silu")),
+    ("lfm2_moe", "Lfm2MoeConfig", "Lfm2MoeExperts", dict(num_experts=4, moe_intermediate_size=8), ("glu", "silu")),
+    ("nemotron_h", "NemotronHConfig", "NemotronHExperts",
+     dict(n_routed_experts=4, moe_intermediate_size=8, mlp_hidden_act="relu2"), ("act", "relu2")),
+    ("inkling2", "Inkling2TextConfig", "Inkling2Experts", dict(n_routed_experts=4, moe_intermediate_size=8), None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("family, config_class, experts_class, fields, expected", EXPERTS_CLASSES)
+def test_the_layout_is_what_the_module_computes(family, config_class, experts_class, fields, expected):
+    """Each class's own gate picks the layout (a softcapped SwiGLU, which the op does not
+    know, is refused by name), and the op with it gives the module's forward output."""
+    import transformers
+
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    config = getattr(transformers, config_class)(hidden_size=16, num_attention_heads=2, **fields)
+    config._experts_implementation = "eager"
+    module = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), experts_class)(config)
+    if not experts.is_experts(module):
+        pytest.skip(f"{experts_class} is not a transformers experts module in {transformers.__version__}")
+    torch.manual_seed(0)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    if expected is None:
+        with pytest.raises(NotServed, match=rf"its gate \({experts_class}._apply_gate, act_fn \w+\) is not one"):
+            choose_layout(module)
+        return
+    layout = choose_layout(module)
+    assert (layout.gate, layout.act) == expected
+    up = experts.experts_parameters(module)["gate_up_proj" if module.has_gate else "up_proj"]
+    fin, fout = experts.in_out(module, up)
+    bundle = [torch.zeros(1, 4, 2, fin), torch.zeros(1, 4, fout, 2), torch.zeros(1), torch.zeros(1, dtype=torch.int32)]
+    prove_region(module, layout, (torch.empty(3, fin), torch.empty(3, 2, dtype=torch.long), torch.empty(3, 2)), bundle, [])
+
+
+def _aria(**overrides):
+    from transformers import AriaTextConfig, AriaTextForCausalLM
+
+    torch.manual_seed(0)
+    config = AriaTextConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=24, vocab_size=96, moe_num_experts=4, moe_topk=2,
+                            moe_num_shared_experts=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, **overrides)  # fmt: skip
+    model = AriaTextForCausalLM(config).eval()
+    fill_zero_weights(model, 0.5)
+    if any(experts.is_experts(m) for m in model.modules()):  # an older transformers' Aria has its own MoE
+        model.set_experts_implementation("grouped_mm")
+    return model
+
+
+def test_the_activation_is_the_modules_not_the_configs():
+    """Aria's experts hard-code SiLU whatever the config's hidden_act names: the layout takes
+    the activation the module computes, and every row, None rows included, matches."""
+    torch._dynamo.reset()
+    model = _aria(hidden_act="gelu")
+    module = next((m for m in model.modules() if experts.is_experts(m)), None)
+    if module is None:
+        pytest.skip("this transformers' Aria has no transformers experts module")
+    assert choose_layout(module).act == "silu" and model.config.hidden_act == "gelu"
+    adapters = _adapters(model, "aria")
+    cm = fxlora.compile(model, adapters, max_loras=2, max_rank=8)
+    ids = torch.randint(3, 96, (4, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert_matches_peft(cm, model, adapters, ["a", None, "b", None], input_ids=ids)
+    experts_targets = [f for f, t in cm.pool.targets.items() if t.info.kind == "experts"]
+    assert experts_targets and all(cm.backend.rewritten.get(f) == "fxlora::moe_lora" for f in experts_targets)
 
 
 def _merge_per_expert_by_hand(model, adapter, names):

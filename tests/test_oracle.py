@@ -1,4 +1,4 @@
-"""The oracles themselves (PEFT, and the merged weights through ``check_rows``): they pass
+"""The oracles themselves (PEFT, the merged weights, the decomposition): they pass
 fxlora on a mixed batch, fail it when the served adapter is not the one the oracle holds
 (another adapter, or one module's factor off by 1%), and their allowance for float32
 batch-composition noise stays small."""
@@ -11,7 +11,18 @@ import torch
 from peft import LoraConfig
 
 import fxlora
-from fxlora.testing import assert_matches_peft, check_rows, make_adapter, merged_logits, oracle_noise, tiny_model
+from fxlora.testing import (
+    assert_matches_decomposition,
+    assert_matches_peft,
+    check_rows,
+    decomposed_logits,
+    make_adapter,
+    merged_logits,
+    oracle_noise,
+    peft_model_with,
+    reference_logits,
+    tiny_model,
+)
 
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj", "lm_head"]
 
@@ -52,8 +63,23 @@ def test_oracle_passes_fxlora_and_fails_a_wrong_adapter(model, r, alpha):
         check_rows(out, merged(names, **inputs), names, inputs["attention_mask"], noise=noise, oracle="the merged oracle")
 
     against_merged(served)
+    assert_matches_decomposition(cm, model, {"a": served}, names, **inputs)
     for wrong in (other, perturbed(served, "lm_head", 1.01), perturbed(served, "v_proj", 1.01)):
         with pytest.raises(AssertionError, match="differs from the PEFT oracle"):
             assert_matches_peft(cm, model, {"a": wrong}, names, **inputs)
         with pytest.raises(AssertionError, match="differs from the merged oracle"):
             against_merged(wrong)
+        with pytest.raises(AssertionError, match="differs from the decomposition oracle"):
+            assert_matches_decomposition(cm, model, {"a": wrong}, names, **inputs)
+
+
+def test_decomposition_is_peft_for_modules_peft_wraps(model):
+    """The decomposition oracle (the model's own forward, each module's delta added onto its
+    output by a hook) against PEFT, embeddings included."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS + ["embed_tokens"])
+    adapters = {"a": make_adapter(model, config, seed=4, directory=""), "b": make_adapter(model, config, seed=5, directory="")}
+    names, inputs = ["a", None, "b"], batch(6)
+    peft = reference_logits(model, peft_model_with(model, adapters), names, **inputs)
+    check_rows(decomposed_logits(model, adapters, names, **inputs), peft, names, inputs["attention_mask"])
+    assert torch.equal(decomposed_logits(model, adapters, [None], input_ids=inputs["input_ids"][:1]),
+                       model(input_ids=inputs["input_ids"][:1]).logits)  # fmt: skip

@@ -10,6 +10,7 @@ from fxlora.compiler import PassContext, run_pipeline
 from fxlora.compiler.annotate import annotate, module_fqn
 from fxlora.compiler.batch_info import SLOT_IDS, batch_info
 from fxlora.compiler.fuse import MAX_MEMBERS
+from fxlora.compiler.lora_delta import lora_delta
 from fxlora.compiler.lora_embedding import lora_embedding
 from fxlora.compiler.lora_linear import lora_linear
 from fxlora.testing import lora_module_names, tiny_model
@@ -70,6 +71,52 @@ def test_lora_linear_rewrites_only_targets(toy):
     assert ctx.rewritten == {"lin1": "fxlora::lora_linear"}
     # the graph reads the pool's own tensors, so in-place adapter loads reach it
     assert gm.fxlora_lin1_lora_a.data_ptr() == pool.targets["lin1"].lora_a.data_ptr()
+
+
+def lin1_twice(gm, pool, weight_of, second_call=True):
+    """``gm`` with lin1's linear made twice on its input, the second over ``weight_of(its weight)``,
+    as a second call of lin1 (Dynamo's ``@1`` key) or, without ``second_call``, in the same call."""
+    annotate(gm, PassContext(pool))
+    first = next(n for n in gm.graph.nodes if n.meta.get("fxlora_module") == "lin1")
+    with gm.graph.inserting_before(first.next):
+        weight = weight_of(gm.graph, first.args[1])
+        again = gm.graph.call_function(F.linear, (first.args[0], weight, first.args[2]))
+        total = gm.graph.call_function(torch.add, (first, again))
+    again.meta.update(first.meta)
+    if second_call:
+        again.meta["fxlora_module_call"] = f"{first.meta.get('fxlora_module_call')}@1"
+    else:  # the sum is the call's output
+        total.meta.update(first.meta)
+    first.replace_all_uses_with(total, delete_user_cb=lambda u: u not in (again, total))
+    gm.graph.lint()
+    return gm
+
+
+def test_lora_linear_serves_each_call_over_the_modules_weight(toy):
+    _, gm, pool, _ = toy
+    ctx = PassContext(pool)
+    lora_linear(lin1_twice(gm, pool, lambda graph, w: w), ctx)
+    assert count(gm, LORA_LINEAR) == 2 and ctx.rewritten == {"lin1": "fxlora::lora_linear"}
+
+
+def test_lora_linear_leaves_calls_over_other_weights(toy):
+    _, gm, pool, _ = toy
+    ctx = PassContext(pool)
+    lora_linear(lin1_twice(gm, pool, lambda graph, w: graph.call_function(torch.mul, (w, 2.0))), ctx)
+    assert count(gm, LORA_LINEAR) == 0 and not ctx.rewritten
+    assert "skipped lin1: its forward makes 2 linear calls that do not all read its weight" in ctx.report
+
+
+def test_lora_linear_leaves_one_call_of_two_linears_to_lora_delta(toy):
+    """PEFT adds the delta once onto a call's output, however many linears the call makes."""
+    _, gm, pool, _ = toy
+    ctx = PassContext(pool)
+    gm = lora_linear(lin1_twice(gm, pool, lambda graph, w: w, second_call=False), ctx)
+    assert count(gm, LORA_LINEAR) == 0 and "skipped lin1: one call of its forward makes 2 linear calls" in ctx.report
+    lora_delta(gm, ctx)
+    ctx.served_after_all()
+    assert count(gm, torch.ops.fxlora.lora_delta.default) == 1 and ctx.rewritten == {"lin1": "fxlora::lora_delta"}
+    assert not ctx.left_traced and not any(line.startswith("skipped lin1") for line in ctx.report)
 
 
 def test_lora_embedding_rewrites_the_lookup(toy):
@@ -181,3 +228,72 @@ def test_fuse_leaves_linears_a_graph_already_reads_alone():
 def test_fused_groups_fit_the_expands():
     sgmv = pytest.importorskip("fxlora.ops.triton.sgmv")
     assert MAX_MEMBERS == sgmv.MAX_SLICES
+
+
+class _TimeMajor(torch.nn.Module):
+    """Embeds and projects ``(seq, batch)`` tokens, as XLNet does; ``flatten`` runs the
+    projection on the ``(seq·batch, hidden)`` flattening instead, or on the row-major one."""
+
+    def __init__(self, flatten: str | None = None):
+        super().__init__()
+        self.emb, self.lin, self.head = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 6), torch.nn.Linear(6, 5)
+        self.flatten = flatten
+
+    def forward(self, ids):
+        h = self.emb(ids.transpose(0, 1))  # (seq, batch, 8)
+        if self.flatten == "time-major":
+            h = self.lin(h.reshape(-1, 8)).view(ids.shape[1], ids.shape[0], 6)
+        elif self.flatten == "row-major":
+            h = self.lin(h.transpose(0, 1).reshape(-1, 8)).view(*ids.shape, 6).transpose(0, 1)
+        else:
+            h = self.lin(h)
+        return self.head(torch.relu(h)).transpose(0, 1)  # (batch, seq, 5)
+
+
+def _time_major_case(flatten):
+    from peft import LoraConfig
+
+    import fxlora
+    from fxlora.testing import make_adapter, peft_model_with
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TimeMajor(flatten).eval()
+    adapters = {n: make_adapter(model, LoraConfig(r=2, lora_alpha=4, target_modules=["emb", "lin"]), seed=i,
+                                directory="") for i, n in enumerate("ab")}  # fmt: skip
+    return model, adapters, fxlora.compile(model, adapters, max_loras=2, max_rank=4), peft_model_with(model, adapters)
+
+
+@pytest.mark.parametrize("flatten", [None, "row-major"])
+def test_rows_of_a_time_major_model_follow_the_batch_dimension(flatten):
+    """With seq == batch every dimension has the batch's size; the rows are found by the
+    traced symbol of the batch input's first dimension, each row against PEFT on its own."""
+    model, adapters, cm, peft_model = _time_major_case(flatten)
+    names = ["a", None, "b", "a"]
+    for seq in (4, 6):
+        ids = torch.randint(0, 11, (4, seq), generator=torch.Generator().manual_seed(seq))
+        with torch.no_grad():
+            out = cm(ids, adapter_names=names)
+            for i, name in enumerate(names):
+                if name is None:
+                    want = model(ids[i : i + 1])
+                else:
+                    peft_model.set_adapter(name)
+                    want = peft_model(ids[i : i + 1])
+                torch.testing.assert_close(out[i : i + 1], want, rtol=1e-5, atol=1e-6)
+    assert cm.compile_count == 1 and set(cm.backend.rewritten) == {"emb", "lin"}
+
+
+def test_rows_a_flattening_hides_are_not_served():
+    """A ``(seq·batch, hidden)`` input in time-major order: no dimension of its own holds the
+    rows, so the module keeps its base computation and a row that needs its LoRA says why."""
+    from fxlora import LoraNotRunError
+
+    model, _, cm, _ = _time_major_case("time-major")
+    ids = torch.randint(0, 11, (3, 3))
+    with torch.no_grad():
+        assert torch.equal(cm(ids, adapter_names=[None, None, None]), model(ids))
+        with pytest.raises(LoraNotRunError, match=r"'lin', did not run: fxlora left that module as traced, because "
+                           r"cannot tell which of its input's token dimensions \(s\d+\*s\d+,\) hold the batch's s\d+ rows"):
+            cm(ids, adapter_names=["a", None, "b"])
+    assert cm.backend.rewritten == {"emb": "fxlora::lora_embedding"}

@@ -7,12 +7,12 @@ hold ``gate_up_proj`` (or ``up_proj`` without a gate) and ``down_proj`` as ``(E,
 parameters, ``(E, in, out)`` when transposed. Each of the two is a pool target of its own,
 named ``<experts>.<parameter>``.
 
-Adapter formats, all resolved to ``LoraFactors("experts", a (E_a, r, in), b (E_b, out, r))``:
+Adapter formats, all turned into ``LoraFactors("experts", a (E_a, r, in), b (E_b, out, r))``
+(:mod:`fxlora.adapters.placement` finds which format and which parameter):
 
-- PEFT ``target_parameters`` (``experts.gate_up_proj``, ``experts.down_proj``): PEFT nests
-  one wrapper per targeted parameter, in the order the module registered them, the first
-  innermost; ``lora_A (E·r, in)`` holds expert ``e``'s rows at ``e·r …``, ``lora_B (out, r·E)``
-  its columns at ``… ·E + e``.
+- PEFT ``target_parameters`` (``experts.gate_up_proj``, ``gate_up_proj``, ...): one wrapper
+  per parameter; ``lora_A (E·r, in)`` holds expert ``e``'s rows at ``e·r …``,
+  ``lora_B (out, r·E)`` its columns at ``… ·E + e``.
 - The shared-outer layout: the same, with an expert dimension of 1 in one factor
   (``lora_A (r, in)`` or ``lora_B (out, r)``), shared by every expert.
 - Per-expert modules as written against older layouts: ``experts.<e>.gate_proj`` /
@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections import defaultdict
 
 import torch
 
-from fxlora.adapters.peft_format import LoraAdapter, LoraFactors, unwrapped
+from fxlora.adapters.peft_format import LoraFactors
 from fxlora.errors import AdapterError, NotServed
 
 UP_PARAMETERS = ("gate_up_proj", "up_proj")
 PER_EXPERT_NAMES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-_PER_EXPERT = re.compile(r"^(?P<experts>.+)\.(?P<e>\d+)\.(?P<proj>[a-z_0-9]+)$")
+PER_EXPERT_KEY = re.compile(r"^(?P<experts>.+)\.(?P<e>\d+)\.(?P<proj>[a-z_0-9]+)$")
 
 
 def is_experts(module: torch.nn.Module) -> bool:
@@ -57,30 +56,99 @@ class ExpertsLayout:
     transposed: bool  # weights stored (E, in, out)
     gate: str  # one of fxlora.ops.moe_lora.GATES
     act: str  # a transformers activation name ("" for GPT-OSS's built-in gate)
-    alpha: float  # GPT-OSS's gate: sigmoid(alpha · gate)
-    limit: float  # GPT-OSS's gate: the clamp
+    alpha: float = 0.0  # GPT-OSS's gate: sigmoid(alpha · gate)
+    limit: float = 0.0  # the clamped gates' limit
 
 
-def layout(module: torch.nn.Module) -> ExpertsLayout:
-    """How ``fxlora::moe_lora`` computes these experts; raises :class:`NotServed` saying why
-    it cannot."""
-    from transformers.integrations.moe import _default_apply_gate
-
+def layouts(module: torch.nn.Module) -> list[ExpertsLayout]:
+    """The layouts ``fxlora::moe_lora`` knows that these experts may have, most likely first,
+    read from what the module holds: its flags, its own activation (``act_fn``, not the
+    config's ``hidden_act``, which a class may ignore) and its clamp parameters. None is
+    taken on trust: the compiler keeps the one that computes as the module does. Raises
+    :class:`NotServed` when the module has nothing the op could compute."""
     if getattr(module, "has_post_expert_norm", False):
         raise NotServed("a norm after each expert (has_post_expert_norm) is not supported")
-    alpha, limit = float(getattr(module, "alpha", 0.0)), float(getattr(module, "limit", 0.0))
+    transposed = bool(module.is_transposed)
+    alpha = _number(module, "alpha", "swiglu_alpha")
+    limit = _number(module, "limit", "swiglu_limit")
+    act_fn = getattr(module, "act_fn", None)
+    if act_fn is not None:
+        named = activation_name(act_fn)
+        acts = [named] if named is not None else []
+    else:  # a gate that calls its activation itself (HY-V4's F.silu): any the op knows
+        acts = list(_activations())
+    candidates: list[ExpertsLayout] = []
     if not module.has_gate:
-        gate = "act"
-    elif type(module)._apply_gate is _default_apply_gate and module.is_concatenated:
-        gate = "glu"
-    elif not module.is_concatenated and hasattr(module, "alpha") and hasattr(module, "limit"):
-        gate = "glu_interleaved_clamped"  # GPT-OSS's clamped SwiGLU over interleaved gate/up columns
-    else:
-        raise NotServed(f"its gate ({type(module).__name__}._apply_gate) is not one fxlora::moe_lora knows")
-    act = getattr(getattr(module, "config", None), "hidden_act", None)  # what the class built act_fn from
-    if act is None and gate != "glu_interleaved_clamped":
-        raise NotServed("its config does not name its activation (hidden_act)")
-    return ExpertsLayout(transposed=bool(module.is_transposed), gate=gate, act=act or "", alpha=alpha, limit=limit)
+        candidates += [ExpertsLayout(transposed, "act", a) for a in acts]
+    elif module.is_concatenated:
+        candidates += [ExpertsLayout(transposed, "glu", a) for a in acts]
+        if limit is not None:
+            candidates += [ExpertsLayout(transposed, "glu_clamped", a, limit=limit) for a in acts]
+            if alpha is not None:
+                candidates.append(ExpertsLayout(transposed, "glu_concatenated_clamped", "", alpha, limit))
+    elif alpha is not None and limit is not None:
+        candidates.append(ExpertsLayout(transposed, "glu_interleaved_clamped", "", alpha, limit))
+    if not candidates:
+        raise NotServed(f"its gate ({gate_name(module)}) is not one fxlora::moe_lora knows")
+    return candidates
+
+
+def gate_name(module: torch.nn.Module) -> str:
+    """The code that gates these experts, for messages."""
+    cls = type(module).__name__
+    act = getattr(module, "act_fn", None)
+    act = f", act_fn {getattr(act, '__name__', type(act).__name__)}" if act is not None else ""
+    return f"{cls}._apply_gate{act}" if module.has_gate else f"{cls}.act_fn{act}"
+
+
+def activation_name(fn) -> str | None:
+    """The ``transformers`` activation name (``ACT2FN``) computing what ``fn`` computes, or None.
+    Same-class entries are tried first; an entry counts when it agrees with ``fn`` on a fixed
+    spread of float64 values (``gelu`` and ``gelu_new`` differ there by 1e-3; aliases such as
+    ``silu`` / ``swish`` agree bit for bit)."""
+    x = torch.linspace(-12.0, 12.0, 97, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            want = fn(x)
+    except (RuntimeError, TypeError, ValueError):  # not a one-argument elementwise function
+        return None
+    if not isinstance(want, torch.Tensor) or want.shape != x.shape:
+        return None
+    names = sorted(_activations(), key=lambda n: type(_activations()[n]) is not type(fn))
+    for name in names:
+        with torch.no_grad():
+            got = _activations()[name](x)
+        if torch.allclose(got, want, rtol=1e-9, atol=1e-12):
+            return name
+    return None
+
+
+_ACTIVATIONS: dict[str, torch.nn.Module] = {}
+
+
+def _activations() -> dict[str, torch.nn.Module]:
+    """One instance of every parameter-free ``ACT2FN`` activation (learned ones, PReLU's and
+    xIELU's, cannot stand for a module's own)."""
+    if not _ACTIVATIONS:
+        from transformers.activations import ACT2FN
+        from transformers.utils import logging
+
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity_error()  # xIELU warns, on being made, that its CUDA kernel is absent
+        try:
+            made = {name: ACT2FN[name] for name in ACT2FN}
+        finally:
+            logging.set_verbosity(verbosity)
+        _ACTIVATIONS.update({n: fn for n, fn in made.items() if not any(True for _ in fn.parameters())})
+    return _ACTIVATIONS
+
+
+def _number(module: torch.nn.Module, *names: str) -> float | None:
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def in_out(module: torch.nn.Module, weight: torch.Tensor) -> tuple[int, int]:
@@ -88,69 +156,33 @@ def in_out(module: torch.nn.Module, weight: torch.Tensor) -> tuple[int, int]:
     return (d1, d2) if module.is_transposed else (d2, d1)
 
 
-def resolve(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
-    """``adapter`` with every experts LoRA keyed by ``<experts>.<parameter>`` as ``"experts"``
-    factors; other modules unchanged."""
-    modules = dict(model.named_modules())
-    where = f"adapter {adapter.name!r} ({adapter.source})"
-    out: dict[str, LoraFactors] = {}
-    per_expert: dict[str, dict[tuple[int, str], LoraFactors]] = defaultdict(dict)
-    for key, f in adapter.modules.items():
-        m = _PER_EXPERT.match(key)
-        if f.kind == "parameter":
-            fqn, factors = _from_parameter(where, adapter, key, f, modules)
-            out[fqn] = factors
-        elif key not in modules and m and m["experts"] in modules and is_experts(modules[m["experts"]]):
-            proj = PER_EXPERT_NAMES.get(m["proj"])
-            if proj is None:
-                raise AdapterError(f"{where}: module {key!r}: {m['proj']!r} is not an expert projection")
-            per_expert[m["experts"]][(int(m["e"]), proj)] = f
-        else:
-            out[key] = f
-    for experts, parts in per_expert.items():
-        for fqn, factors in _from_per_expert(where, experts, modules[experts], parts).items():
-            out[fqn] = factors
-    if out == adapter.modules:
-        return adapter
-    return dataclasses.replace(adapter, modules=out)
-
-
-def _from_parameter(where, adapter, key, f, modules) -> tuple[str, LoraFactors]:
-    owner = unwrapped(key)
-    module = modules.get(owner)
-    if module is None or not is_experts(module):
-        raise AdapterError(f"{where}: target_parameters LoRA {key!r}: the model has no experts module {owner!r}")
-    depth = (len(key) - len(owner)) // len(".base_layer")
-    entries = adapter.config.target_parameters or ()
-    targeted = [
-        p
-        for p, _ in module.named_parameters(recurse=False)
-        if any(f"{owner}.{p}" == e or f"{owner}.{p}".endswith("." + e) for e in entries)
-    ]
-    if depth >= len(targeted):
-        raise AdapterError(f"{where}: target_parameters LoRA {key!r} does not match the parameters it targets {targeted}")
-    name = targeted[len(targeted) - 1 - depth]
+def parameter_factors(culprit: str, module: torch.nn.Module, name: str, a, b, r: int, scaling: float) -> LoraFactors:
+    """The experts LoRA of ``module``'s parameter ``name`` from PEFT's ``target_parameters``
+    factors of rank ``r`` (or the shared-outer layout); ``culprit`` names the adapter and the
+    parameter in errors."""
     params = experts_parameters(module)
     if name not in params:
-        raise AdapterError(f"{where}: target_parameters LoRA of {owner}.{name}: only {sorted(params)} are supported")
+        raise AdapterError(f"{culprit}: only the experts' {sorted(params)} are supported")
     weight = params[name]
     experts = weight.shape[0]
     fin, fout = in_out(module, weight)
-    r = f.rank
-    ea, eb = f.a.shape[0] // r, f.b.shape[1] // r
-    if ea not in (1, experts) or eb not in (1, experts) or f.a.shape[1] != fin or f.b.shape[0] != fout:
+    ea, eb = a.shape[0] // r, b.shape[1] // r
+    fits = a.shape[0] % r == 0 and b.shape[1] % r == 0 and ea in (1, experts) and eb in (1, experts)
+    if not fits or a.shape[1] != fin or b.shape[0] != fout:
         raise AdapterError(
-            f"{where}: shape mismatch: LoRA of {owner}.{name} has lora_A {tuple(f.a.shape)} and lora_B "
-            f"{tuple(f.b.shape)}, but the parameter ({experts} experts, {fin} -> {fout}) needs "
-            f"({experts}*{r} or {r}, {fin}) and ({fout}, {r}*{experts} or {r})"
+            f"{culprit} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}: shape mismatch, the parameter "
+            f"({experts} experts, {fin} -> {fout}) at rank {r} needs ({experts}*{r} or {r}, {fin}) and "
+            f"({fout}, {r}*{experts} or {r})"
         )
-    a = f.a.reshape(ea, r, fin)
-    b = f.b.reshape(fout, r, eb).permute(2, 0, 1)
+    a = a.reshape(ea, r, fin)
+    b = b.reshape(fout, r, eb).permute(2, 0, 1)
     fmt = "target_parameters" if ea == eb == experts else "shared-outer"
-    return f"{owner}.{name}", LoraFactors("experts", a, b, f.scaling, format=fmt)
+    return LoraFactors("experts", a, b, scaling, format=fmt)
 
 
-def _from_per_expert(where, experts_fqn, module, parts) -> dict[str, LoraFactors]:
+def per_expert_factors(where, experts_fqn, module, parts) -> dict[str, LoraFactors]:
+    """The experts LoRA of ``module``'s parameters from per-expert modules' LoRA, ``parts``
+    keyed by ``(expert, "gate" | "up" | "down")``."""
     params = experts_parameters(module)
     up_name = next(n for n in params if n in UP_PARAMETERS)
     count = params["down_proj"].shape[0]

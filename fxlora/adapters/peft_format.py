@@ -73,23 +73,21 @@ AdapterSource = Union[str, os.PathLike, tuple, Mapping, "LoraAdapter"]
 class LoraFactors:
     """One module's LoRA: ``delta = scaling * (x @ a.T) @ b.T``; for an embedding ``x`` is one-hot.
 
-    ``"parameter"``: PEFT ``target_parameters`` LoRA of a 3-D experts parameter as saved,
-    ``a (E·r, in)``, ``b (out, r·E)``, keyed by PEFT's wrapper path; the model tells which
-    parameter it is (:mod:`fxlora.adapters.experts`), which makes it ``"experts"``:
-    ``a (E_a, r, in)``, ``b (E_b, out, r)`` per expert, ``E_a`` or ``E_b`` 1 when that factor
-    is shared by all experts."""
+    ``"parameter"``: the factors of a PEFT ``target_parameters`` wrapper as saved, keyed by
+    the wrapper's path, ``a (E·r, in)``, ``b (out, r·E)`` (``E`` 1 for a 2-D parameter). Only
+    the model tells which parameter the wrapper adapts, and so its rank and scaling
+    (:mod:`fxlora.adapters.placement`): ``scaling`` is None until then. A 3-D experts
+    parameter's becomes ``"experts"``: ``a (E_a, r, in)``, ``b (E_b, out, r)`` per expert,
+    ``E_a`` or ``E_b`` 1 when that factor is shared by all experts; a 2-D one's ``"linear"``."""
 
     kind: Literal["linear", "embedding", "parameter", "experts"]
     a: torch.Tensor  # (r, in_features); for an embedding (r, num_embeddings)
     b: torch.Tensor  # (out_features, r); for an embedding (embedding_dim, r)
-    scaling: float
-    r: int | None = None  # the rank where ``a``'s shape does not say it ("parameter")
+    scaling: float | None  # None for "parameter": placing it on the model resolves it
     format: str | None = None  # how an "experts" LoRA was written, for explain()
 
     @property
     def rank(self) -> int:
-        if self.r is not None:
-            return self.r
         return self.a.shape[-2] if self.kind == "experts" else self.a.shape[0]
 
 
@@ -321,35 +319,47 @@ def _factors(
         kinds[module] = "linear" if m["ab"] else "embedding"
         halves.setdefault(module, {})[ab] = tensor
 
-    all_linear = isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"
     modules: dict[str, LoraFactors] = {}
     for module, ab in halves.items():
         if set(ab) != {"A", "B"}:
             missing = "A" if "A" not in ab else "B"
             raise AdapterError(f"adapter {name!r} ({where}): module {module!r} lacks its lora_{missing} tensor")
         a, b = ab["A"], ab["B"]
-        if _wraps_parameter(config, module):
-            modules[module] = _parameter_factors(name, where, config, module, a, b)
+        if kinds[module] == "linear" and _may_wrap_parameter(config, module):
+            if a.dim() != 2 or b.dim() != 2:
+                raise AdapterError(
+                    f"adapter {name!r} ({where}): target_parameters LoRA {module!r} has lora_A {tuple(a.shape)} and "
+                    f"lora_B {tuple(b.shape)}, which are not (experts * r, in) and (out, r * experts)"
+                )
+            modules[module] = LoraFactors("parameter", a, b, None)
             continue
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
-            raise AdapterError(
-                f"adapter {name!r} ({where}): module {module!r} has lora_A {tuple(a.shape)} and lora_B "
-                f"{tuple(b.shape)}, which are not (r, in) and (out, r)"
-            )
-        selected = (all_linear and kinds[module] == "linear") or check_target_module_exists(config, module)
-        if not selected:
+        if not (all_linear(config) and kinds[module] == "linear") and not check_target_module_exists(config, module):
             raise AdapterError(
                 f"adapter {name!r} ({where}): holds weights for module {module!r}, which its "
                 "target_modules / exclude_modules / layers_to_transform do not select"
             )
-        r, scaling = _rank_and_scaling(config, module)
-        if a.shape[0] != r:
-            raise AdapterError(
-                f"adapter {name!r} ({where}): module {module!r} has rank {a.shape[0]} (lora_A {tuple(a.shape)}) "
-                f"but its config gives r={r}"
-            )
-        modules[module] = LoraFactors(kinds[module], a, b, scaling)
+        modules[module] = module_factors(name, where, config, module, kinds[module], a, b)
     return modules, base_weights
+
+
+def module_factors(name: str, where: str, config: LoraConfig, module: str, kind: str, a, b) -> LoraFactors:
+    """The LoRA of ``module`` (a ``target_modules`` target), its rank checked against the config."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        raise AdapterError(
+            f"adapter {name!r} ({where}): module {module!r} has lora_A {tuple(a.shape)} and lora_B "
+            f"{tuple(b.shape)}, which are not (r, in) and (out, r)"
+        )
+    r, scaling = rank_and_scaling(config, module)
+    if a.shape[0] != r:
+        raise AdapterError(
+            f"adapter {name!r} ({where}): module {module!r} has rank {a.shape[0]} (lora_A {tuple(a.shape)}) "
+            f"but its config gives r={r}"
+        )
+    return LoraFactors(kind, a, b, scaling)
+
+
+def all_linear(config: LoraConfig) -> bool:
+    return isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"
 
 
 def _check_tensor(name: str, where: str, key: str, tensor: Any) -> None:
@@ -372,28 +382,32 @@ def unwrapped(path: str) -> str:
     return re.sub(r"(\.base_layer)+$", "", path)
 
 
-def _wraps_parameter(config: LoraConfig, module: str) -> bool:
-    """Whether ``module`` is PEFT's wrapper of a ``target_parameters`` entry."""
+def targets_parameter(config: LoraConfig, key: str) -> bool:
+    """Whether ``target_parameters`` names the parameter at path ``key``, as PEFT matches it:
+    the whole path, or a suffix after a dot (a bare ``"gate_up_proj"`` names that parameter
+    of every module)."""
+    return any(key == e or key.endswith("." + e) for e in config.target_parameters or ())
+
+
+def _may_wrap_parameter(config: LoraConfig, module: str) -> bool:
+    """Whether ``module`` may be PEFT's wrapper of a ``target_parameters`` entry; which
+    parameter it adapts, if any, only the model tells. Only those wrappers nest
+    (``.base_layer``); a module ``target_modules`` names PEFT wraps as a module, and refuses
+    to wrap its parameters as well (``"all-linear"`` names modules by their type, which only
+    the model tells)."""
+    entries = config.target_parameters or ()
     owner = unwrapped(module)
-    for entry in config.target_parameters or ():
-        entry_owner = entry.rpartition(".")[0]
-        if owner == entry_owner or owner.endswith("." + entry_owner):
-            return True
-    return False
+    if not entries or owner != module:
+        return bool(entries)
+    if not all_linear(config) and check_target_module_exists(config, module):
+        return False
+    owners = [e.rpartition(".")[0] for e in entries]  # "" for a bare name: any module may hold it
+    return any(not o or owner == o or owner.endswith("." + o) for o in owners)
 
 
-def _rank_and_scaling(config: LoraConfig, module: str) -> tuple[int, float]:
-    """The module's rank and ``alpha / r`` (``/ sqrt(r)`` with rsLoRA), through the patterns."""
-    r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
-    alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+def rank_and_scaling(config: LoraConfig, path: str) -> tuple[int, float]:
+    """The rank and ``alpha / r`` (``/ sqrt(r)`` with rsLoRA) PEFT gives the module or
+    parameter at ``path`` through ``rank_pattern`` / ``alpha_pattern``."""
+    r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), path), config.r)
+    alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), path), config.lora_alpha)
     return r, alpha / math.sqrt(r) if config.use_rslora else alpha / r
-
-
-def _parameter_factors(name: str, where: str, config: LoraConfig, module: str, a, b) -> LoraFactors:
-    r, scaling = _rank_and_scaling(config, module)
-    if a.dim() != 2 or b.dim() != 2 or a.shape[0] % r or b.shape[1] % r:
-        raise AdapterError(
-            f"adapter {name!r} ({where}): parameter LoRA {module!r} has lora_A {tuple(a.shape)} and lora_B "
-            f"{tuple(b.shape)}, which are not (experts * r, in) and (out, r * experts) for r={r}"
-        )
-    return LoraFactors("parameter", a, b, scaling, r=r)

@@ -40,6 +40,7 @@ class ModuleInfo:
     weight: torch.Tensor | None = field(default=None, repr=False)
     experts: int = 0  # for "experts": a 3-D parameter of this many experts ...
     owner: torch.nn.Module | None = field(default=None, repr=False)  # ... held by this experts module
+    parameter: str | None = None  # a linear over this 2-D parameter of the module (:meth:`over_parameter`)
 
     @staticmethod
     def of(module: torch.nn.Module) -> ModuleInfo | None:
@@ -54,10 +55,24 @@ class ModuleInfo:
             return ModuleInfo("embedding", module.num_embeddings, module.embedding_dim, module.weight.dtype, module.weight.device, module.weight)
         return None
 
+    @staticmethod
+    def over_parameter(module: torch.nn.Module) -> ModuleInfo | None:
+        """For a module of no kind :meth:`of` knows that holds one 2-D floating-point
+        parameter ``W (out, in)`` of its own (an MoE router's ``weight``): the linear its
+        forward may compute over it. PEFT's ``target_parameters`` LoRA of ``W`` adds
+        ``scaling · B @ A`` to it, which is the linear LoRA of ``F.linear(x, W)``; the passes
+        serve it only on an ``F.linear`` call of the module that reads ``W``."""
+        found = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() == 2 and p.is_floating_point()]
+        if len(found) != 1:
+            return None
+        name, w = found[0]
+        return ModuleInfo("linear", w.shape[1], w.shape[0], w.dtype, w.device, w, parameter=name)
+
 
 def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
     """Every linear (``nn.Linear``, transformers' ``Conv1D``) and embedding module of
-    ``model``, and the up and down parameters of every experts module."""
+    ``model``, the up and down parameters of every experts module, and every other module's
+    one 2-D parameter (:meth:`ModuleInfo.over_parameter`)."""
     from fxlora.adapters import experts
 
     found = {}
@@ -68,6 +83,8 @@ def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
             for p, w in experts.experts_parameters(m).items():
                 fin, fout = experts.in_out(m, w)
                 found[f"{name}.{p}"] = ModuleInfo("experts", fin, fout, w.dtype, w.device, w, w.shape[0], m)
+        elif (info := ModuleInfo.over_parameter(m)) is not None:
+            found[name] = info
     return found
 
 
@@ -87,6 +104,12 @@ class PoolTarget:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.lora_a, self.lora_b, self.scaling, self.rank))
+
+    @property
+    def module(self) -> str:
+        """The module whose call runs this target: the target itself, or for an experts
+        parameter its experts module."""
+        return self.fqn.rpartition(".")[0] if self.info.kind == "experts" else self.fqn
 
     @torch.no_grad()
     def write(self, slot: int, adapter: LoraAdapter | None) -> None:
@@ -196,16 +219,21 @@ class AdapterPool:
         self.complete = self.complete or complete
         for fqn, info in new.items():
             users = [a for a in self.adapters.values() if fqn in a.modules]
-            if users or self._wanted(fqn, info):
+            if self.wants(fqn, info):
                 self.targets[fqn] = target = PoolTarget(fqn, info, self.max_loras, self.max_rank)
                 for adapter in users:
                     target.write(self.slot_of[adapter.name], adapter)
 
+    def wants(self, fqn: str, info: ModuleInfo) -> bool:
+        """Whether registering module ``fqn`` makes it a target: a loaded adapter touches it,
+        or ``target_modules`` selects it."""
+        return any(fqn in a.modules for a in self.adapters.values()) or self._wanted(fqn, info)
+
     def _wanted(self, fqn: str, info: ModuleInfo) -> bool:
         if self._patterns is None:
             return False
-        if self._all_linear:
-            return info.kind == "linear" and fqn != self._output_embedding
+        if self._all_linear:  # linear modules, as PEFT's "all-linear" picks them by type
+            return info.kind == "linear" and info.parameter is None and fqn != self._output_embedding
         return bool(check_target_module_exists(self._patterns, fqn))
 
     def _check_exists(self, adapter: LoraAdapter, modules: Iterable[str]) -> None:

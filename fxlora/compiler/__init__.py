@@ -9,19 +9,20 @@ each variant's allocations into sites of the model's one arena.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 import fxlora.ops  # noqa: F401  (registers the fxlora:: ops the passes emit)
-from fxlora.compiler.annotate import annotate
+from fxlora.compiler.annotate import annotate, called_targets, instance_parameters
 from fxlora.compiler.batch_info import batch_info
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.decode_attention import decode_attention
 from fxlora.compiler.fuse import fuse
 from fxlora.compiler.hoist import hoist
+from fxlora.compiler.lora_delta import lora_delta
 from fxlora.compiler.lora_embedding import lora_embedding
 from fxlora.compiler.lora_linear import lora_linear
 from fxlora.compiler.lora_moe import lora_moe
@@ -29,9 +30,10 @@ from fxlora.compiler.lora_moe import lora_moe
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 # The LoRA passes, in order: each rewrites what the ones before left.
-PIPELINE: list[Pass] = [fuse, lora_linear, lora_embedding, lora_moe, batch_info]
+PIPELINE: list[Pass] = [fuse, lora_linear, lora_delta, lora_embedding, lora_moe, batch_info]
 
 LORA_OPS = {
+    torch.ops.fxlora.lora_delta.default,
     torch.ops.fxlora.lora_linear.default,
     torch.ops.fxlora.lora_linear_fused.default,
     torch.ops.fxlora.lora_embedding.default,
@@ -46,6 +48,11 @@ class Variants:
     lora: fx.GraphModule | None  # None: no module of this graph carries LoRA
     nolora: fx.GraphModule
     rewritten: frozenset[str]  # the modules whose LoRA ``lora`` runs
+    # the targets whose module the graph calls but ``lora`` leaves as traced -> why
+    left_traced: Mapping[str, str] = field(default_factory=dict)
+    # (input index, module FQN, attribute): a parameter of each module the graph calls that
+    # could carry LoRA, by which a call tells which instance of the traced code it runs
+    instance: tuple[tuple[int, str, str], ...] = ()
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -63,10 +70,15 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> Variants:
     if ctx.decode_attention:
         gm = decode_attention(gm, ctx)
     nolora = copy_graph(gm)
+    called, instance = called_targets(gm, ctx), instance_parameters(gm, ctx)
     for p in PIPELINE:
         gm = p(gm, ctx)
     lora = gm if any(n.target in LORA_OPS for n in gm.graph.nodes) else None
-    return Variants(hoist(lora, ctx) if lora is not None else None, hoist(nolora, ctx), frozenset(ctx.rewritten))
+    ctx.served_after_all()
+    for fqn in sorted(called - ctx.rewritten.keys() - ctx.left_traced.keys()):
+        ctx.leave_traced(fqn, "no LoRA pass recognises its calls")
+    lora, nolora = hoist(lora, ctx) if lora is not None else None, hoist(nolora, ctx)
+    return Variants(lora, nolora, frozenset(ctx.rewritten), dict(ctx.left_traced), instance)
 
 
 __all__ = ["LORA_OPS", "PIPELINE", "PassContext", "Variants", "hoist", "run_pipeline"]

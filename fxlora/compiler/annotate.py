@@ -7,10 +7,13 @@ root spelling removed (``L['self']``, ``L['args'][0]`` under a decorated ``forwa
 ``L['fn']``, ...), then by the unique module whose FQN ends with that path (a frame resumed
 inside a layer). Without the model, the path with its root removed is the FQN. A node
 without that metadata but whose weight is a ``get_attr`` of ``<module>.weight`` (as
-``torch.fx.symbolic_trace`` makes) is attributed to ``<module>``. Writes
-``node.meta["fxlora_module"]`` and ``node.meta["fxlora_module_type"]``; changes nothing else
-in the graph. When the pool has not seen the whole model (``torch.compile`` hands over one
-graph at a time), it tells the pool which linear and embedding modules this graph holds.
+``torch.fx.symbolic_trace`` makes) is attributed to ``<module>``. ``ctx.renamed`` then
+moves the calls of a module to another instance of the same code (a graph Dynamo reuses for
+it). Writes ``node.meta["fxlora_module"]``, ``node.meta["fxlora_module_type"]`` and, from
+Dynamo's key, ``node.meta["fxlora_module_call"]``, which tells a module's calls apart
+(:func:`fxlora.compiler.graph_edit.module_calls`); changes nothing else in the graph. When
+the pool has not seen the whole model (``torch.compile`` hands over one graph at a time), it
+tells the pool which linear and embedding modules this graph holds.
 """
 
 from __future__ import annotations
@@ -54,12 +57,38 @@ class AttributionError(RuntimeError):
 
 
 class ModuleTree:
-    """Every submodule of a model: its FQN by identity, and its type by FQN."""
+    """Every submodule of a model: its FQN by identity, and its type by FQN; and which
+    modules hold each parameter."""
 
     def __init__(self, model: torch.nn.Module):
         named = list(model.named_modules(remove_duplicate=False))
         self._fqn = {id(m): name for name, m in reversed(named)}  # a shared module: its first name
         self._type = {name: type(m) for name, m in named}
+        self._model = model
+        self._owners = self._parameters()
+
+    def _parameters(self) -> dict[int, tuple[torch.Tensor, list[tuple[str, str]]]]:
+        """id(parameter) -> (the parameter, its (module FQN, attribute) holders); the
+        parameter is kept so that an id reused by a later object never matches."""
+        owners: dict[int, tuple[torch.Tensor, list[tuple[str, str]]]] = {}
+        for name, m in self._model.named_modules(remove_duplicate=False):
+            for attr, p in m._parameters.items():
+                if p is not None:
+                    owners.setdefault(id(p), (p, []))[1].append((name, attr))
+        return owners
+
+    def owners(self, tensor: object, reread: bool = False) -> list[tuple[str, str]]:
+        """The ``(module FQN, attribute)`` pairs that hold ``tensor`` as a parameter; with
+        ``reread``, read again from the model when ``tensor`` is new (a parameter replaced
+        since)."""
+        entry = self._owners.get(id(tensor))
+        if reread and (entry is None or entry[0] is not tensor):
+            self._owners = self._parameters()
+            entry = self._owners.get(id(tensor))
+        return entry[1] if entry is not None and entry[0] is tensor else []
+
+    def type_of(self, fqn: str) -> type | None:
+        return self._type.get(fqn)
 
     def resolve(self, key: str, path: str, module_type: type | None) -> str | None:
         """The FQN of the ``nn_module_stack`` entry ``key: (path, module_type)``, or None."""
@@ -94,8 +123,9 @@ def annotate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if fqn is None:
                 unresolved.append(path)
                 continue
-            node.meta["fxlora_module"] = fqn
+            node.meta["fxlora_module"] = renamed(fqn, ctx.renamed) if ctx.renamed else fqn
             node.meta["fxlora_module_type"] = module_type
+            node.meta["fxlora_module_call"] = str(key)  # Dynamo's key: "<id>@<n>" for the module's n-th call
             continue
         weight = node.args[1] if len(node.args) > 1 else None
         if isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target.endswith(".weight"):
@@ -111,6 +141,50 @@ def annotate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.pool.complete:
         ctx.pool.register_modules(modules_in_graph(gm))
     return gm
+
+
+def renamed(fqn: str, renames: dict[str, str]) -> str:
+    """``fqn`` with its longest prefix found in ``renames`` replaced."""
+    parts = fqn.split(".")
+    for i in range(len(parts), 0, -1):
+        new = renames.get(".".join(parts[:i]))
+        if new is not None:
+            return ".".join([new, *parts[i:]])
+    return fqn
+
+
+def called_targets(gm: fx.GraphModule, ctx: PassContext) -> frozenset[str]:
+    """The pool targets whose module ``gm`` calls (the module, or a submodule of it, owns a
+    call node)."""
+    called = _called_modules(gm)
+    return frozenset(fqn for fqn, t in ctx.pool.targets.items() if t.module in called)
+
+
+def _called_modules(gm: fx.GraphModule) -> set[str]:
+    """The modules that own a call node of ``gm``, and their ancestors."""
+    called: set[str] = set()
+    for node in gm.graph.nodes:
+        fqn = node.meta.get("fxlora_module")
+        while fqn and fqn not in called:
+            called.add(fqn)
+            fqn = fqn.rpartition(".")[0]
+    return called
+
+
+def instance_parameters(gm: fx.GraphModule, ctx: PassContext) -> tuple[tuple[int, str, str], ...]:
+    """``(input index, module FQN, attribute)`` of one parameter per linear, embedding or
+    experts module ``gm`` calls, among its inputs: a call that passes other tensors there
+    runs the graph for another instance of the same code. Needs the model's tree."""
+    if ctx.modules is None or not ctx.inputs:
+        return ()
+    candidates = {fqn.rpartition(".")[0] if info.kind == "experts" else fqn for fqn, info in ctx.pool.modules.items()}
+    called = _called_modules(gm) & candidates
+    found: dict[str, tuple[int, str, str]] = {}
+    for i, value in enumerate(ctx.inputs):
+        for fqn, attr in ctx.modules.owners(value) if isinstance(value, torch.Tensor) else ():
+            if fqn in called and fqn not in found:
+                found[fqn] = (i, fqn, attr)
+    return tuple(found.values())
 
 
 def modules_in_graph(gm: fx.GraphModule) -> dict[str, ModuleInfo]:

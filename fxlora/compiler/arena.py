@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fxlora.ops.lora_linear import lora_workspace
+from fxlora.ops.lora_delta import lora_workspace
 from fxlora.ops.moe_lora import moe_routing_workspace, moe_workspace
 
 log = logging.getLogger(__name__)

@@ -1,30 +1,57 @@
 """batch_info: one prologue per token layout, shared by every LoRA op of the graph.
 
 The LoRA passes ask :func:`batch_info_for` for the metadata of their op's tokens; each
-request inserts a ``fxlora::batch_info(slot_ids, tokens, feature_dims, num_slots)`` node
-reading the graph's ``fxlora_slot_ids`` placeholder (the per-row slot ids the runtime
-passes). This pass then merges requests whose tokens have the same leading shape into the
-first one, so a decoder computes its metadata once (twice when the output head sees only
-the last positions). It leaves every other node alone.
+request inserts a ``fxlora::batch_info(slot_ids, tokens, feature_dims, num_slots, row_dim)``
+node reading the graph's ``fxlora_slot_ids`` placeholder (the per-row slot ids the runtime
+passes). This pass then merges requests whose tokens have the same leading shape and row
+dimension into the first one, so a decoder computes its metadata once (twice when the output
+head sees only the last positions). It leaves every other node alone.
+
+Which dimension of a LoRA op's input holds the rows (:func:`row_dim`) is read from the traced
+shapes: the batch input (``PassContext.batch``, the tensor whose first dimension the runtime
+counts rows by) gives the rows' size as the graph traced it, a symbol under dynamic shapes,
+and the dimension of the op's input that is that size holds the rows: the first for the usual
+``(batch, seq, hidden)``, the second for a time-major ``(seq, batch, hidden)`` (XLNet). A
+flattened ``(batch·seq, hidden)`` is followed back through reshapes to the shape it came
+from. Where no dimension or more than one can be the rows, the module is not served.
+Without a known batch input (``torch.compile(backend="fxlora")``, or a graph that resumes
+after a graph break) the first dimension is taken, as the runtime counts rows.
 """
 
 from __future__ import annotations
 
 import operator
 
+import sympy
 import torch
 import torch.fx as fx
 
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import fake_value, meta_shape
+from fxlora.compiler.graph_edit import fake_value, meta_shape, meta_value
+from fxlora.errors import NotServed
 
 SLOT_IDS = "fxlora_slot_ids"
 _LAYOUT = "fxlora_layout"
 
+_SEARCH_LIMIT = 256  # nodes followed back; a flattening sits a few calls before its LoRA ops
 
-def slot_ids_placeholder(gm: fx.GraphModule, tokens: fx.Node) -> fx.Node:
-    """The graph's slot-ids input, made on first use with the traced value of one id per
-    row of ``tokens`` (an inner compiler traces the graph again from these values)."""
+# Calls that keep their first argument's elements in order while reshaping it.
+_RESHAPE_METHODS = {"view", "reshape", "flatten", "contiguous"}
+_RESHAPE_FUNCTIONS = {
+    torch.reshape, torch.flatten,
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+}  # fmt: skip
+# Calls that may move tokens along their dimension without changing its size.
+_REORDERING = {
+    "index_select", "gather", "take_along_dim", "sort", "argsort", "msort", "flip", "fliplr", "flipud", "roll",
+    "transpose", "t", "permute", "swapaxes", "swapdims", "movedim", "scatter", "index", "index_put",
+}  # fmt: skip
+
+
+def slot_ids_placeholder(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, rows_at: int) -> fx.Node:
+    """The graph's slot-ids input, made on first use with the traced value of one id per row
+    (an inner compiler traces the graph again from these values): as many as the batch input
+    has rows, or else as ``tokens`` has along ``rows_at``."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n in placeholders:
         if n.target == SLOT_IDS:
@@ -32,24 +59,144 @@ def slot_ids_placeholder(gm: fx.GraphModule, tokens: fx.Node) -> fx.Node:
     where = gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before(None)
     with where:
         node = gm.graph.placeholder(SLOT_IDS)
-    fake_value(node, lambda t: torch.empty(t.shape[0], dtype=torch.int32, device=t.device), tokens)
+    batch = _batch_placeholder(gm, ctx)
+    source, dim = (batch, 0) if batch is not None else (tokens, rows_at)
+    fake_value(node, lambda t: torch.empty(t.shape[dim], dtype=torch.int32, device=t.device), source)
     return node
 
 
-def batch_info_for(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, feature_dims: int) -> list[fx.Node]:
-    """Insert a prologue for ``tokens`` at the current insertion point; returns its outputs,
-    a ``getitem`` each: the list a LoRA op takes as its ``batch`` bundle."""
-    slot_ids = slot_ids_placeholder(gm, tokens)
+def batch_info_for(
+    gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, feature_dims: int, row_dim: int
+) -> list[fx.Node]:
+    """Insert a prologue for ``tokens`` (rows along ``row_dim``, from :func:`row_dim`) at the
+    current insertion point; returns its outputs, a ``getitem`` each: the list a LoRA op takes
+    as its ``batch`` bundle."""
+    slot_ids = slot_ids_placeholder(gm, ctx, tokens, row_dim)
     node = gm.graph.call_function(
-        torch.ops.fxlora.batch_info.default, (slot_ids, tokens, feature_dims, ctx.pool.max_loras)
+        torch.ops.fxlora.batch_info.default, (slot_ids, tokens, feature_dims, ctx.pool.max_loras, row_dim)
     )
     shape = meta_shape(tokens)
-    node.meta[_LAYOUT] = None if shape is None else str(shape[: len(shape) - feature_dims])
+    node.meta[_LAYOUT] = None if shape is None else f"{shape[: len(shape) - feature_dims]} rows {row_dim}"
     outputs = []
     for i in range(len(node.target._schema.returns)):
         out = gm.graph.call_function(operator.getitem, (node, i))
         outputs.append(out)
     return outputs
+
+
+def row_dim(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, feature_dims: int) -> int:
+    """The leading dimension of ``tokens`` that indexes the batch's rows; raises
+    :class:`NotServed` when the traced shapes cannot tell which one it is."""
+    rows = _rows(gm, ctx)
+    val = meta_value(tokens)
+    if rows is None or not isinstance(val, torch.Tensor):
+        return 0  # the runtime's own convention: rows first
+    lead = [_expr(d) for d in val.shape[: val.dim() - feature_dims]]
+    if rows == 1:
+        return 0  # one row: every token is its
+    exact = [i for i, d in enumerate(lead) if d == rows]
+    mentions = [i for i, d in enumerate(lead) if _mentions(d, rows)]
+    if len(exact) == 1 and mentions == exact:
+        return exact[0]
+    if not exact and len(lead) == 1 and _could_flatten(lead[0], rows) and _rows_outermost(tokens, rows):
+        return 0
+    shape = tuple(val.shape[: val.dim() - feature_dims])
+    if not mentions and not (len(lead) == 1 and _could_flatten(lead[0], rows)):
+        raise NotServed(f"its input's token dimensions {shape} do not hold the batch's {rows} rows")
+    raise NotServed(f"cannot tell which of its input's token dimensions {shape} hold the batch's {rows} rows")
+
+
+def _rows(gm: fx.GraphModule, ctx: PassContext):
+    """The batch's row count as the graph traced it (a sympy expression), or None when the
+    graph does not read the batch input."""
+    batch = _batch_placeholder(gm, ctx)
+    return None if batch is None else _expr(meta_value(batch).shape[0])
+
+
+def _batch_placeholder(gm: fx.GraphModule, ctx: PassContext) -> fx.Node | None:
+    """The placeholder of the batch input (``PassContext.batch``), when the graph reads it."""
+    if ctx.batch is None or ctx.inputs is None:
+        return None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and n.target != SLOT_IDS]
+    for node, value in zip(placeholders, ctx.inputs):
+        val = meta_value(node)
+        if value is ctx.batch and isinstance(val, torch.Tensor) and val.dim() > 0:
+            return node
+    return None
+
+
+def _expr(size) -> sympy.Expr:
+    if isinstance(size, torch.SymInt):
+        return size.node.shape_env.simplify(size.node.expr)
+    return sympy.Integer(int(size))
+
+
+def _mentions(size: sympy.Expr, rows: sympy.Expr) -> bool:
+    if rows.free_symbols:
+        return bool(rows.free_symbols & size.free_symbols)
+    return size == rows
+
+
+def _could_flatten(size: sympy.Expr, rows: sympy.Expr) -> bool:
+    """Whether ``size`` may be the rows times other sizes."""
+    if rows.free_symbols:
+        return _mentions(size, rows)
+    return bool(size.is_Integer) and int(size) % int(rows) == 0
+
+
+def _rows_outermost(tokens: fx.Node, rows: sympy.Expr) -> bool:
+    """Whether flattened ``tokens`` keep each row's tokens together, rows outermost.
+
+    Followed back to where the flattening happened — a shape in which the rows are a
+    dimension of their own, and only dimensions of size 1 may come before it — through
+    reshapes and through the token-wise computation in between (a linear, the gate of an
+    MLP: the input with the same token dimension). Calls that may move tokens within that
+    dimension (indexing by a tensor, sort, flip, roll, transposes) end the search: unknown."""
+    node = tokens
+    for _ in range(_SEARCH_LIMIT):
+        val = meta_value(node)
+        lead = None
+        if isinstance(val, torch.Tensor):
+            sizes = [_expr(d) for d in val.shape]
+            at = [i for i, d in enumerate(sizes) if d == rows]
+            if at:
+                return (
+                    len(at) == 1
+                    and all(d == 1 for d in sizes[: at[0]])
+                    and not any(_mentions(d, rows) for i, d in enumerate(sizes) if i != at[0])
+                )
+            lead = sizes[0] if sizes else None
+        if node.op not in ("call_function", "call_method") or _reorders(node):
+            return False
+        reshape = (node.op == "call_method" and node.target in _RESHAPE_METHODS) or (
+            node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS
+        )
+        inputs = [a for a in node.all_input_nodes if meta_value(a) is not None]
+        if reshape or node.target is operator.getitem or lead is None:
+            source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        else:  # token-wise: the input that has these tokens
+            source = next((a for a in inputs if _first_size(a) == lead), None)
+        if source is None:
+            return False
+        node = source
+    return False
+
+
+def _reorders(node: fx.Node) -> bool:
+    if node.target is operator.getitem:  # indexing by a tensor picks tokens in its order
+        index = node.args[1] if len(node.args) > 1 else None
+        parts = index if isinstance(index, (tuple, list)) else (index,)
+        return any(isinstance(i, fx.Node) and isinstance(meta_value(i), torch.Tensor) for i in parts)
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if isinstance(target, torch._ops.OpOverload):
+        name = target.overloadpacket.__name__
+    return name.lstrip("_").rstrip("_") in _REORDERING
+
+
+def _first_size(node: fx.Node):
+    val = meta_value(node)
+    return _expr(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() > 0 else None
 
 
 def batch_info(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -7,8 +7,11 @@ GEMM, and its factors are one slice of the multi-slice layout, so one shrink and
 serve them all where each would launch its own. The pool joins the members' factors into that
 layout (:meth:`AdapterPool.join`); each member's users read its output from the op's list.
 
-Runs before ``lora_linear``, which takes the linears left over. A set is left alone, and reported, when the pool cannot join it or when a
-member's weight is computed after the first member's call.
+A block applied several times (a recurrent layer) makes one set per application, each the
+same group of the pool. Runs before ``lora_linear``, which takes the linears left over. A set
+is left alone, and reported, when the pool cannot join it or when a member's weight is
+computed after the first member's call. Calls of tensor-subclass weights (torchao's quantised
+weights) are ``lora_delta``'s.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import torch.fx as fx
 
 from fxlora.adapters import PoolTarget
 from fxlora.compiler.annotate import LINEAR
+from fxlora.compiler.batch_info import row_dim
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import base_calls, call_arg, meta_shape, meta_value
-from fxlora.compiler.lora_linear import lora_operands
+from fxlora.compiler.graph_edit import base_calls, call_arg, meta_shape, meta_value, reads_wrapped_tensor
+from fxlora.compiler.lora_linear import linear_weight, lora_operands
 from fxlora.errors import NotServed
 
 MAX_MEMBERS = 4  # the expands update at most four outputs (sgmv.MAX_SLICES); more make several groups
@@ -32,9 +36,12 @@ MAX_MEMBERS = 4  # the expands update at most four outputs (sgmv.MAX_SLICES); mo
 
 def fuse(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     readers: dict[fx.Node, list[tuple[PoolTarget, fx.Node]]] = defaultdict(list)
-    for target, node in base_calls(gm, ctx, "linear", lambda n: n.target in LINEAR):
+    is_base = lambda n: n.target in LINEAR and not reads_wrapped_tensor(n)  # noqa: E731
+    for target, node in base_calls(gm, ctx, "linear", is_base, linear_weight):
         x, weight = call_arg(node, 0, "input"), call_arg(node, 1, "weight")
-        if isinstance(x, fx.Node) and meta_shape(weight) == (target.info.out_features, target.info.in_features):
+        shape_fits = meta_shape(weight) == (target.info.out_features, target.info.in_features)
+        # a module called twice on one input (rare) has its second call served on its own
+        if isinstance(x, fx.Node) and shape_fits and all(t is not target for t, _ in readers[x]):
             readers[x].append((target, node))
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     fused = []
@@ -64,6 +71,10 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
         ctx.note(f"not fused {', '.join(fqns)}: a weight is computed after the call of {fqns[0]}")
         return []
     try:
+        rows = row_dim(gm, ctx, x, feature_dims=1)
+    except NotServed:  # lora_linear, next, reports each member
+        return []
+    try:
         group = ctx.pool.join(fqns)
     except NotServed as why:
         ctx.note(f"not fused {', '.join(fqns)}: {why}")
@@ -72,7 +83,7 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
         first.prepend(a)
     graph = gm.graph
     with graph.inserting_before(first):
-        lora, batch, _ = lora_operands(gm, ctx, x, group, workspace=False)
+        lora, batch, _ = lora_operands(gm, ctx, x, group, rows, workspace=False)
         fused = graph.call_function(torch.ops.fxlora.lora_linear_fused.default, (x, weights, biases, lora, batch))
         fused.meta["fxlora_module"] = os.path.commonprefix([f + "." for f in fqns]).rpartition(".")[0]
         fused.meta["example_value"] = [meta_value(n) for _, n in members]

@@ -1,37 +1,107 @@
-"""Graph-editing steps the LoRA passes share: wiring in pool tensors, replacing a base call."""
+"""Graph-editing steps the LoRA passes share: wiring in pool tensors, replacing a base call,
+finding a module's region by its boundary."""
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fxlora.adapters import PoolGroup, PoolTarget
+from fxlora.errors import NotServed
 
 if TYPE_CHECKING:
     from fxlora.compiler.context import PassContext
 
+# Tensor methods that only change a tensor's dtype or device: a linear over ``W.float()`` is
+# one over ``W`` as far as LoRA goes (PEFT adds the delta to ``W`` before the cast; fxlora adds
+# it to the output, which differs by rounding only).
+CASTS = {"type", "to", "float", "double", "half", "bfloat16"}
+
+
 def base_calls(
-    gm: fx.GraphModule, ctx: PassContext, kind: str, is_base: Callable[[fx.Node], bool]
-) -> Iterator[tuple[PoolTarget, fx.Node]]:
-    """The one base call (``is_base``) of each pool target of ``kind``; a module whose
-    forward makes several is reported and left alone."""
-    calls: dict[str, list[fx.Node]] = defaultdict(list)
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    kind: str,
+    is_base: Callable[[fx.Node], bool],
+    weight_of: Callable[[fx.Node], Any],
+) -> list[tuple[PoolTarget, fx.Node]]:
+    """The base call (``is_base``) of each call of each pool target of ``kind``
+    (:func:`module_calls`). A module called several times (a block applied again, a
+    projection of a second input) has each call served, one LoRA op per call over the same
+    pool tensors, when every call reads the module's own weight (``weight_of``: one
+    parameter read, directly or through :data:`CASTS`, not a tensor each call computes);
+    otherwise, or when one call of the module makes several base calls (the delta belongs
+    on the call's output, ``lora_delta``'s), it is left as traced. For a linear over a
+    module's 2-D parameter (``ModuleInfo.parameter``) only the calls whose weight is that
+    parameter count."""
+    calls: dict[str, list[fx.Node]] = defaultdict(list)  # every target of ``kind`` with calls here
     for node in gm.graph.nodes:
         fqn = node.meta.get("fxlora_module")
-        if node.op == "call_function" and fqn in ctx.pool.targets and is_base(node):
-            calls[fqn].append(node)
+        target = ctx.pool.targets.get(fqn) if node.op.startswith("call") else None
+        if target is not None and target.info.kind == kind:
+            calls[fqn] += [node] if node.op == "call_function" and is_base(node) else []
+    values = None
+    served = []
     for fqn, nodes in calls.items():
         target = ctx.pool.targets[fqn]
-        if target.info.kind != kind:
+        if target.info.parameter is not None:
+            values = input_values(gm, ctx) if values is None else values
+            nodes = [n for n in nodes if reads_parameter(weight_of(n), target.info.weight, values)]
+            if not nodes and fqn not in ctx.rewritten:  # an earlier pass may have served it
+                ctx.leave_traced(
+                    fqn,
+                    f"no {kind} call of its forward reads its parameter {target.info.parameter!r} (directly or "
+                    "through a dtype cast), which its LoRA adapts",
+                )
+                continue
+        most = max((len(c) for c in module_calls(fqn, nodes)), default=0)
+        if most > 1:  # the delta goes once onto the call's output, as PEFT's wrapper adds it: lora_delta's
+            ctx.leave_traced(fqn, f"one call of its forward makes {most} {kind} calls")
             continue
-        if len(nodes) > 1:
-            ctx.note(f"skipped {fqn}: its forward makes {len(nodes)} {kind} calls")
+        weights = {_parameter(weight_of(n)) for n in nodes}
+        if len(nodes) > 1 and (len(weights) > 1 or None in weights):
+            ctx.leave_traced(fqn, f"its forward makes {len(nodes)} {kind} calls that do not all read its weight")
             continue
-        yield target, nodes[0]
+        served += [(target, n) for n in nodes]
+    return served
+
+
+def module_calls(fqn: str, nodes: list[fx.Node]) -> list[list[fx.Node]]:
+    """``nodes`` of module ``fqn`` (and its submodules), split by the module's calls, in
+    graph order: ``annotate`` keys each call from Dynamo's ``nn_module_stack``
+    (``fxlora_module_call``, ``<module>@<n>`` for its n-th call), so a module called twice
+    gives two lists. Its submodules' nodes carry their own keys: a region holding them is one
+    call, or raises :class:`NotServed` when the module is called several times."""
+    calls: dict[object, list[fx.Node]] = {}
+    for n in nodes:
+        if n.meta.get("fxlora_module") == fqn:
+            calls.setdefault(n.meta.get("fxlora_module_call"), []).append(n)
+    if len(calls) > 1 and any(n.meta.get("fxlora_module") != fqn for n in nodes):
+        raise NotServed(f"it is called {len(calls)} times and its submodules' calls cannot be told apart")
+    return list(calls.values()) if len(calls) > 1 else [nodes] if nodes else []
+
+
+def _parameter(node: Any) -> object:
+    """What names the parameter ``node`` reads, directly or through :data:`CASTS` (a graph
+    input, or an attribute of the graph module), or None for a tensor computed in the graph."""
+    node = _uncast(node)
+    if isinstance(node, fx.Node) and node.op == "placeholder":
+        return node
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        return node.target
+    return None
+
+
+def _uncast(node: Any) -> Any:
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in CASTS:
+        node = node.args[0]
+    return node
 
 
 def pool_nodes(gm: fx.GraphModule, target: PoolTarget | PoolGroup) -> list[fx.Node]:
@@ -86,3 +156,58 @@ def fake_value(node: fx.Node, compute: Callable[[Any], Any], source: fx.Node) ->
     if mode is not None:
         with mode:
             node.meta["example_value"] = compute(val)
+
+
+def reads_wrapped_tensor(node: fx.Node) -> bool:
+    """Whether a traced value ``node`` reads is a tensor subclass wrapping others (torchao's
+    quantised weights, DTensor): the LoRA ops' own base computations (``F.linear``,
+    ``F.embedding``) cannot take one, so such a call keeps its traced form."""
+    return any(is_traceable_wrapper_subclass(meta_value(a)) for a in node.all_input_nodes)
+
+
+def module_region(gm: fx.GraphModule, owner: str) -> list[fx.Node]:
+    """The call nodes ``annotate`` attributed to module ``owner`` or its submodules, in graph
+    order, less the size arithmetic among them: values that are not tensors, computed from the
+    region's inputs alone (SymInts under dynamic shapes), which code after the region may
+    reuse, so they stay where they are."""
+    inside = lambda fqn: fqn is not None and (fqn == owner or fqn.startswith(owner + "."))  # noqa: E731
+    region = [n for n in gm.graph.nodes if n.op.startswith("call") and inside(n.meta.get("fxlora_module"))]
+    nodes, sizes = set(region), set()
+    for n in region:
+        if not isinstance(meta_value(n), torch.Tensor) and all(a not in nodes or a in sizes for a in n.all_input_nodes):
+            sizes.add(n)
+    return [n for n in region if n not in sizes]
+
+
+def region_outputs(region: list[fx.Node]) -> list[fx.Node]:
+    """The nodes of ``region`` that a node outside it reads."""
+    inside = set(region)
+    return [n for n in region if any(u not in inside for u in n.users)]
+
+
+def region_inputs(region: list[fx.Node]) -> list[fx.Node]:
+    """The nodes outside ``region`` that it reads, in order of first use."""
+    inside = set(region)
+    return list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
+
+
+def input_values(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, object]:
+    """The real tensors behind placeholders (Dynamo's example inputs) and ``get_attr`` nodes."""
+    values: dict[fx.Node, object] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, ctx.inputs or ()):
+        values[node] = value
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                values[node] = gm.get_parameter(node.target)
+            except AttributeError:
+                continue
+    return values
+
+
+def reads_parameter(node: Any, parameter: Any, values: dict[fx.Node, object]) -> bool:
+    """Whether ``node`` is ``parameter`` (by identity with the model's tensor), read directly
+    or through :data:`CASTS`."""
+    node = _uncast(node)
+    return isinstance(node, fx.Node) and values.get(node) is parameter

@@ -5,7 +5,9 @@ embeddings (``embed_tokens``) and replaces each with
 ``fxlora::lora_embedding(ids, weight, lora, batch)`` (the pool buffers' bundle and the
 tokens' batch info bundle). The delta joins the lookup inside the module, so a module that
 rescales its output (Gemma's scaled word embedding) rescales the delta too, as PEFT does.
-Calls with ``max_norm`` (which rewrites the weight) are left alone and reported.
+Calls with ``max_norm`` (which rewrites the weight), lookups in a tensor-subclass weight (a
+quantised embedding, which the op's ``F.embedding`` cannot take), and calls whose ids' rows
+cannot be told, are left alone and reported.
 """
 
 from __future__ import annotations
@@ -15,20 +17,29 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxlora.compiler.annotate import EMBEDDING, embedding_args
-from fxlora.compiler.batch_info import batch_info_for
+from fxlora.compiler.batch_info import batch_info_for, row_dim
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import base_calls, call_arg, pool_nodes, replace_with
+from fxlora.compiler.graph_edit import base_calls, call_arg, meta_value, pool_nodes, reads_wrapped_tensor, replace_with
+from fxlora.errors import NotServed
 
 
 def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    for target, node in list(base_calls(gm, ctx, "embedding", lambda n: n.target in EMBEDDING)):
+    for target, node in base_calls(gm, ctx, "embedding", lambda n: n.target in EMBEDDING, lambda n: embedding_args(n)[1]):
         fqn = target.fqn
         if node.target is F.embedding and call_arg(node, 3, "max_norm") is not None:
-            ctx.note(f"skipped {fqn}: embedding with max_norm renormalises its weight in place")
+            ctx.leave_traced(fqn, "embedding with max_norm renormalises its weight in place")
+            continue
+        if reads_wrapped_tensor(node):
+            ctx.note(f"skipped {fqn}: its weight is a {type(meta_value(embedding_args(node)[1])).__name__}, not a plain tensor")
             continue
         ids, weight = embedding_args(node)
+        try:
+            rows = row_dim(gm, ctx, ids, feature_dims=0)
+        except NotServed as why:
+            ctx.leave_traced(fqn, str(why))
+            continue
         with gm.graph.inserting_before(node):
-            args = (ids, weight, pool_nodes(gm, target), batch_info_for(gm, ctx, ids, feature_dims=0))
+            args = (ids, weight, pool_nodes(gm, target), batch_info_for(gm, ctx, ids, 0, rows))
         replace_with(gm, node, torch.ops.fxlora.lora_embedding.default, args)
         ctx.rewritten[fqn] = "fxlora::lora_embedding"
     gm.recompile()

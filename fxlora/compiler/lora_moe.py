@@ -9,8 +9,10 @@ tensors. The op is inserted after the region and takes over its users, and the r
 nodes, dead then, are erased (``nolora``, copied before this pass, keeps the region exactly
 as traced). Each projection's factors go in as one bundle (``pool_nodes``; an empty list for
 a projection no adapter targets). The layout (transposed weights, the gate, the activation)
-is read from the experts class (:func:`fxlora.adapters.experts.layout`) and handed to the
-op by name. A module whose layout or region the op cannot serve is left alone and reported.
+is the one whose gate computes as the module's own (:mod:`fxlora.compiler.experts_probe`),
+handed to the op by name; before the region is touched, the op with no adapter is run
+against the module's ``forward`` on a probe, since rows without an adapter run the op too.
+A module whose layout, probe or region the op cannot serve is left alone and reported.
 """
 
 from __future__ import annotations
@@ -22,9 +24,18 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import experts
-from fxlora.compiler.batch_info import batch_info_for
+from fxlora.compiler.batch_info import batch_info_for, row_dim
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import fake_value, meta_value, pool_nodes
+from fxlora.compiler.experts_probe import choose_layout, prove_region
+from fxlora.compiler.graph_edit import (
+    fake_value,
+    input_values,
+    meta_value,
+    module_region,
+    pool_nodes,
+    region_inputs,
+    region_outputs,
+)
 from fxlora.errors import NotServed
 from fxlora.ops.moe_lora import moe_routing_workspace, moe_workspace
 
@@ -37,58 +48,34 @@ def lora_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if target.info.kind == "experts":
             owner, _, param = fqn.rpartition(".")
             groups[owner][param] = target
-    values = _input_values(gm, ctx)
+    values = input_values(gm, ctx)
     for owner, targets in groups.items():
-        region = [n for n in gm.graph.nodes if n.op.startswith("call") and _inside(n.meta.get("fxlora_module"), owner)]
+        region = module_region(gm, owner)
         if not region:
             continue
         try:
             _rewrite(gm, ctx, owner, targets, region, values)
         except NotServed as why:
-            ctx.note(f"skipped {owner}: {why}")
+            ctx.leave_traced(owner, str(why), [f"{owner}.{p}" for p in targets])
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _inside(fqn: str | None, owner: str) -> bool:
-    return fqn is not None and (fqn == owner or fqn.startswith(owner + "."))
-
-
-def _input_values(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, object]:
-    """The real tensors behind placeholders (Dynamo's example inputs) and ``get_attr`` nodes."""
-    values: dict[fx.Node, object] = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, ctx.inputs or ()):
-        values[node] = value
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            try:
-                values[node] = gm.get_parameter(node.target)
-            except AttributeError:
-                continue
-    return values
-
-
 def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.Node], values) -> None:
     module = next(iter(targets.values())).info.owner
-    layout = experts.layout(module)
-    # size arithmetic (SymInts under dynamic shapes) computed from the region's inputs alone
-    # stays in both variants: code after the region may reuse it
-    inside, sizes = set(region), set()
-    for n in region:
-        if not isinstance(meta_value(n), torch.Tensor) and all(a not in inside or a in sizes for a in n.all_input_nodes):
-            sizes.add(n)
-    region = [n for n in region if n not in sizes]
-    inside = set(region)
-    outputs = [n for n in region if any(u not in inside for u in n.users)]
+    layout = choose_layout(module)
+    outputs = region_outputs(region)
     if len(outputs) != 1:
         raise NotServed(f"its traced region has {len(outputs)} outputs, not one")
     hidden, top_k_index, top_k_weights, found, up_name = _match_inputs(region, module, values)
+    rows = row_dim(gm, ctx, hidden, feature_dims=1)
+    bundles = [_bundle(targets.get(n)) for n in (up_name, "down_proj")]
+    prove_region(module, layout, tuple(meta_value(n) for n in (hidden, top_k_index, top_k_weights)), *bundles)
     output = outputs[0]
     with gm.graph.inserting_before(output.next):
         up_lora, down_lora = (pool_nodes(gm, targets[n]) if n in targets else [] for n in (up_name, "down_proj"))
-        token_slot = batch_info_for(gm, ctx, hidden, feature_dims=1)[0]
+        token_slot = batch_info_for(gm, ctx, hidden, 1, rows)[0]
         pool_a = (up_lora or down_lora)[0]
         a_value = next(t.lora_a for t in targets.values())
         workspace = gm.graph.call_function(moe_workspace, (top_k_index, pool_a))
@@ -110,13 +97,17 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         ctx.rewritten[f"{owner}.{p}"] = OP
 
 
+def _bundle(target) -> list[torch.Tensor]:
+    """A pool target's tensors as the op's ``lora`` bundle (empty: no adapter targets it)."""
+    return [] if target is None else [target.lora_a, target.lora_b, target.scaling, target.rank]
+
+
 def _match_inputs(
     region: list[fx.Node], module: torch.nn.Module, values: dict[fx.Node, object]
 ) -> tuple[fx.Node, fx.Node, fx.Node, dict[str, fx.Node], str]:
     """``(hidden, top_k_index, top_k_weights, parameter nodes, up parameter name)`` of the
     region; raises :class:`NotServed` when they cannot be told apart."""
-    inside = set(region)
-    external = dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside)
+    external = region_inputs(region)
     params = experts.experts_parameters(module)
     up_name = next(n for n in params if n in experts.UP_PARAMETERS)
     wanted = {"up": params[up_name], "down": params["down_proj"]}

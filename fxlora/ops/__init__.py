@@ -14,9 +14,20 @@ reference, and a pass test on a graph.
 
 from fxlora.ops.batch_info import batch_info
 from fxlora.ops.decode_attention import decode_attention
+from fxlora.ops.lora_delta import lora_delta
 from fxlora.ops.lora_embedding import lora_embedding
 from fxlora.ops.lora_linear import lora_linear, lora_linear_fused
 from fxlora.ops.moe_lora import moe_lora
 from fxlora.ops.operands import BatchInfo, LoraWeights
 
-__all__ = ["BatchInfo", "LoraWeights", "batch_info", "decode_attention", "lora_embedding", "lora_linear", "lora_linear_fused", "moe_lora"]
+__all__ = [
+    "BatchInfo",
+    "LoraWeights",
+    "batch_info",
+    "decode_attention",
+    "lora_delta",
+    "lora_embedding",
+    "lora_linear",
+    "lora_linear_fused",
+    "moe_lora",
+]

@@ -19,8 +19,9 @@ compact list (:mod:`fxlora.ops.triton.slot_sort`).
 
 All outputs have shapes fixed by the token count and the number of slots, never by which
 adapters are present, so the prologue can be captured in a CUDA graph and replayed with
-other assignments. Tokens belong to rows in row-major order: a ``(B, S, ...)`` activation
-or its ``(B*S, ...)`` flattening.
+other assignments. ``row_dim`` says which leading dimension of ``tokens`` indexes the rows:
+``0`` for a ``(B, S, ...)`` activation or its row-major ``(B*S, ...)`` flattening, ``1`` for a
+time-major ``(S, B, ...)`` one (XLNet), whose tokens take their rows in turn.
 """
 
 from __future__ import annotations
@@ -39,35 +40,47 @@ def _token_count(tokens: torch.Tensor, feature_dims: int) -> int:
 
 @torch.library.custom_op("fxlora::batch_info", mutates_args=())
 def batch_info(
-    slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int, num_slots: int
+    slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int, num_slots: int, row_dim: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``tokens`` is only read for its shape: its leading ``dim - feature_dims`` dims index tokens."""
-    return token_segments(slot_ids, _tokens_per_row(slot_ids, tokens, feature_dims), num_slots)
+    """``tokens`` is only read for its shape: its leading ``dim - feature_dims`` dims index
+    tokens, dimension ``row_dim`` of them the rows."""
+    outer, per_row = _row_layout(slot_ids, tokens, feature_dims, row_dim)
+    return token_segments(slot_ids, per_row, num_slots, outer)
 
 
-def batch_info_triton(slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int, num_slots: int):
+def batch_info_triton(slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int, num_slots: int, row_dim: int = 0):
     """The CUDA implementation: :func:`fast_token_segments`."""
-    return fast_token_segments(slot_ids, _tokens_per_row(slot_ids, tokens, feature_dims), num_slots)
+    outer, per_row = _row_layout(slot_ids, tokens, feature_dims, row_dim)
+    if outer > 1:  # time-major rows: the one-launch sort takes rows in order, so the ATen path
+        return token_segments(slot_ids, per_row, num_slots, outer)
+    return fast_token_segments(slot_ids, per_row, num_slots)
 
 
-def _tokens_per_row(slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int) -> int:
+def _row_layout(slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int, row_dim: int) -> tuple[int, int]:
+    """``(outer, per_row)``: the tokens are ``outer`` runs of every row in turn, each row
+    ``per_row`` consecutive tokens of a run; raises :class:`AdapterError` when their shape
+    does not hold the batch's rows."""
     rows, count = slot_ids.numel(), _token_count(tokens, feature_dims)
-    leading = tokens.shape[0] if tokens.dim() - feature_dims >= 2 else None
-    if rows == 0 or count % rows or (leading is not None and leading != rows):
-        found = f"{leading} rows" if leading is not None else f"{count} tokens, which do not split into {rows} rows"
+    lead = tokens.shape[: tokens.dim() - feature_dims]
+    outer = max(math.prod(lead[:row_dim]), 1)
+    at_rows = lead[row_dim] if len(lead) >= 2 else None
+    if rows == 0 or count % (rows * outer) or (at_rows is not None and at_rows != rows):
+        found = f"{at_rows} rows" if at_rows is not None else f"{count} tokens, which do not split into {rows} rows"
         hint = (
             " (a LoRA target whose input one row shares with all, such as a position embedding, cannot differ per row)"
-            if leading == 1
+            if at_rows == 1
             else ""
         )
         raise AdapterError(f"adapter_names has {rows} entries but the batch has {found}{hint}")
-    return count // rows
+    return outer, count // (rows * outer)
 
 
-def token_segments(row_slot: torch.Tensor, per_row: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+def token_segments(row_slot: torch.Tensor, per_row: int, num_slots: int, outer: int = 1) -> tuple[torch.Tensor, ...]:
     """``(token_slot, sorted_tokens, seg_start, seg_len, seg_slot)`` for ``per_row`` tokens in
-    each row of ``row_slot`` (``-1``: no adapter), by ATen ops."""
+    each row of ``row_slot`` (``-1``: no adapter), the rows ``outer`` times in turn, by ATen ops."""
     token_slot = row_slot.to(torch.int32).repeat_interleave(per_row)
+    if outer > 1:
+        token_slot = token_slot.repeat(outer)
     return (token_slot, *segments(token_slot, num_slots))
 
 
@@ -113,7 +126,7 @@ if slot_sort is not None:
 
 
 @batch_info.register_fake
-def _(slot_ids, tokens, feature_dims, num_slots):
+def _(slot_ids, tokens, feature_dims, num_slots, row_dim=0):
     count = _token_count(tokens, feature_dims)
     segs = min(count, num_slots)
     i32 = dict(dtype=torch.int32, device=slot_ids.device)

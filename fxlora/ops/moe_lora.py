@@ -18,8 +18,11 @@ LoRA passes an empty one. ``token_slot`` is each token's slot
 ``gate`` names how the up projection becomes the down projection's input:
 
 - ``"glu"``: ``act(first half) * second half`` (transformers' default ``_apply_gate``);
+- ``"glu_clamped"``: the same over clamped halves, ``act(min(gate, limit)) · clamp(up, ±limit)``
+  (HY-V4);
 - ``"glu_interleaved_clamped"``: GPT-OSS's gate: even columns are the gate, odd the up
   half, both clamped to ``limit``, ``gate · sigmoid(alpha · gate) · (up + 1)``;
+- ``"glu_concatenated_clamped"``: GPT-OSS's gate over concatenated halves (MiniMax-M3);
 - ``"act"``: experts without a gate: ``act(h)``.
 
 ``act`` is a ``transformers`` activation name (``ACT2FN``). The reference reads routing on
@@ -46,21 +49,23 @@ from fxlora.ops.batch_info import fast_token_segments, slot_groups
 from fxlora.ops.operands import BatchInfo, LoraWeights, optional_weights
 from fxlora.ops.triton import sgmv
 
-GATES = ("glu", "glu_interleaved_clamped", "act")
+GATES = ("glu", "glu_clamped", "glu_interleaved_clamped", "glu_concatenated_clamped", "act")
 
 
 def apply_gate(h: torch.Tensor, gate: str, act: str, alpha: float, limit: float) -> torch.Tensor:
     from transformers.activations import ACT2FN
 
-    if gate == "glu":
-        g, up = h.chunk(2, dim=-1)
-        return ACT2FN[act](g) * up
-    if gate == "glu_interleaved_clamped":
-        g, up = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(min=-limit, max=limit)
-        return g * torch.sigmoid(g * alpha) * (up + 1)
     if gate == "act":
         return ACT2FN[act](h)
-    raise ValueError(f"unknown experts gate {gate!r}; known: {GATES}")
+    if gate not in GATES:
+        raise ValueError(f"unknown experts gate {gate!r}; known: {GATES}")
+    g, up = (h[..., ::2], h[..., 1::2]) if gate == "glu_interleaved_clamped" else h.chunk(2, dim=-1)
+    if gate == "glu":
+        return ACT2FN[act](g) * up
+    g, up = g.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    if gate == "glu_clamped":
+        return ACT2FN[act](g) * up
+    return g * torch.sigmoid(g * alpha) * (up + 1)
 
 
 def _expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:

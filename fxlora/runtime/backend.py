@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import threading
 import weakref
@@ -23,14 +24,15 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import AdapterPool, read_adapter
-from fxlora.compiler import PassContext, run_pipeline
+from fxlora.compiler import PassContext, Variants, run_pipeline
 from fxlora.compiler.annotate import ModuleTree
 from fxlora.compiler.arena import Arena
 from fxlora.compiler.inner import resolve as resolve_inner
 from fxlora.errors import AdapterError
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.explain import GraphRecord
-from fxlora.runtime.routing import Router
+from fxlora.runtime.instances import Instances
+from fxlora.runtime.routing import Router, current_selection
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class Backend:
         self.rewritten: dict[str, str] = {}  # module FQN -> the LoRA op it became, over all graphs
         self.notes: list[str] = []  # about the model as a whole, for explain()
         self.options: Mapping[str, Any] | None = None  # the torch.compile options it was made from
+        self._breaks_before = dict(torch._dynamo.utils.counters["graph_break"])
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Backend:
@@ -82,24 +85,52 @@ class Backend:
         return cls(pool, cuda_graphs=bool(options.get("cuda_graphs", False)), inner=options.get("inner"))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
-        first = _first_device(example_inputs)
-        inner = resolve_inner(self.inner, first)
-        arena = self.arena if inner == "eager" else None  # Inductor plans the graph's memory itself
-        ctx = PassContext(
-            self.pool, arena=arena, inputs=list(example_inputs), modules=self.modules, decode_attention=first.type == "cuda"
-        )
+        inner = resolve_inner(self.inner, _first_device(example_inputs))
+        ctx = self._context(example_inputs, inner)
         variants = run_pipeline(gm, ctx)
         devices = {self.pool.targets[fqn].info.device for fqn in variants.rewritten}
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
         if self.cuda_graphs and self.graphs is None:
             self.graphs = GraphSet(device, enabled=True)
-        router = Router(variants, self.pool, device, self.graphs, self.lock, owner=self, inner=inner)
         record = GraphRecord.of(len(self.routers), _role.get(), variants, ctx.report, inner)
+        instances = Instances(variants, example_inputs, self.modules, functools.partial(self._rebuild, gm, record, inner))
+        router = Router(
+            instances, self.pool, device, self.graphs, self.lock, owner=self, inner=inner, graph_breaks=self.graph_breaks
+        )
         self.routers.append(router)
         self.records.append(record)
         self.rewritten.update(ctx.rewritten)
         log.info("compiled %s", next(iter(record.lines())).strip())
         return router
+
+    def _context(self, inputs: list[Any], inner: str, renamed: dict[str, str] | None = None) -> PassContext:
+        """The passes' context for a graph whose placeholders get ``inputs``, compiled by ``inner``."""
+        selection = current_selection()
+        return PassContext(
+            self.pool,
+            arena=self.arena if inner == "eager" else None,  # Inductor plans the graph's memory itself
+            inputs=list(inputs),
+            modules=self.modules,
+            decode_attention=_first_device(inputs).type == "cuda",
+            batch=selection.batch if selection is not None else None,
+            renamed=renamed,
+        )
+
+    def _rebuild(
+        self, gm: fx.GraphModule, record: GraphRecord, inner: str, renamed: dict[str, str], inputs: list[Any]
+    ) -> Variants:
+        """The variants of ``gm`` for another instance of the code it was traced from."""
+        ctx = self._context(inputs, inner, renamed)
+        variants = run_pipeline(gm, ctx)
+        self.rewritten.update(ctx.rewritten)
+        record.instances += 1
+        record.notes += [n for n in ctx.report if n not in record.notes and not n.startswith("fuse:")]
+        return variants
+
+    def graph_breaks(self) -> list[str]:
+        """What Dynamo said of each graph break it recorded since this backend was made."""
+        seen = torch._dynamo.utils.counters["graph_break"]
+        return [reason.strip().splitlines()[0] for reason, n in seen.items() if n > self._breaks_before.get(reason, 0)]
 
     def describe_runtime(self) -> list[str]:
         """The CUDA graphs of ``torch.compile(..., options={"cuda_graphs": True})``."""

@@ -24,6 +24,9 @@ GLOSSARY = {
     "computation as traced, which runs when no row has an adapter",
     "prologue": "the step at the start of a lora graph that sorts its tokens by slot, once for all its LoRA ops",
     "fused groups": "linears that read one input (q/k/v, gate/up) served by one LoRA launch for all of them",
+    "traced base": "targeted linears that are not a plain F.linear (a quantised weight, "
+    "input @ weight.T) keep their traced computation; fxlora::lora_delta adds the LoRA delta onto its output "
+    "(modules joined by '+' share one launch)",
     "arena": "one buffer, planned once, that holds the graphs' temporary allocations",
     "buckets": "decode batch sizes with graphs of their own; a batch runs in the smallest that fits it",
 }
@@ -41,6 +44,7 @@ class GraphRecord:
     notes: list[str] = field(default_factory=list)  # what a pass left alone, and why
     inner: str = "eager"  # the inner compiler of both variants
     attention: int = 0  # decode-step SDPA calls served by fxlora::decode_attention
+    instances: int = 0  # other module instances Dynamo runs the graph for, each with variants of its own
 
     @classmethod
     def of(cls, index: int, role: str, variants: Variants, notes: Iterable[str], inner: str = "eager") -> GraphRecord:
@@ -58,9 +62,13 @@ class GraphRecord:
             yield f"  {self.role} graph {self.index}: lora runs {ops} after {self.prologues} prologue(s); nolora as traced{by}"
         else:
             yield f"  {self.role} graph {self.index}: no LoRA target here; nolora only{by}"
+        if self.instances:
+            yield f"    also runs for {self.instances} other instance(s) of its code, with variants of their own"
         for note in self.notes:
             if note.startswith("fuse:"):
                 yield "    fused groups: " + note.rpartition(": ")[2]
+            if note.startswith("lora_delta:"):
+                yield "    " + note.removeprefix("lora_delta: ")
         if self.attention:
             yield f"    decode attention: {self.attention} SDPA call(s) read the KV cache's grouped heads as cached"
         if any(self.hoisted.values()):
@@ -102,7 +110,8 @@ def report(
     else:
         lines.append("  none yet: call the model once to trace it")
     lines += [f"  {line}" for line in runtime]
-    skipped = [n for g in graphs for n in g.notes if not n.startswith(("fuse:", "batch_info:", "hoist:", "decode_attention:"))]
+    served = ("fuse:", "lora_delta:", "batch_info:", "hoist:", "decode_attention:")
+    skipped = [n for g in graphs for n in g.notes if not n.startswith(served)]
     skipped += [f"{fqn}: targeted, but no traced graph calls it" for fqn in not_traced]
     lines += ["", "Not served:"] + ([f"  {line}" for line in dict.fromkeys(skipped)] or ["  nothing: every target runs its LoRA"])
     lines += ["", "Memory:", f"  adapter pool: {_mib(pool.nbytes)}"]

@@ -99,7 +99,7 @@ class DecodeRuntime:
             for d in dims:
                 if t.shape[d] > 1:
                     torch._dynamo.maybe_mark_dynamic(t, d)
-        with use_slots(slot_ids) as selection:
+        with use_slots(slot_ids, batch=ids) as selection:
             out = self.step(
                 input_ids=ids,
                 position_ids=positions,

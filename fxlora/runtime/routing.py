@@ -17,10 +17,13 @@ import contextvars
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.fx as fx
+from torch.utils.hooks import RemovableHandle
 
 from fxlora.adapters import NO_ADAPTER, AdapterPool
 from fxlora.adapters.peft_format import BASE_NAME
@@ -28,6 +31,7 @@ from fxlora.compiler import Variants
 from fxlora.compiler.inner import compile_inner
 from fxlora.errors import AdapterError, LoraNotRunError
 from fxlora.runtime.cuda_graphs import GraphSet, cpu_work
+from fxlora.runtime.instances import Instances
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +42,28 @@ class Selection:
 
     ``names`` (one per row, ``None`` for the base model) are resolved once per pool: the
     slots are pinned (an adapter unloaded meanwhile keeps its weights until :meth:`release`)
-    and the modules the adapters change are noted. ``fixed`` slot ids
-    serve every graph as they are. ``pools`` and ``modules`` record the pools the graphs
-    read and the modules whose LoRA ran. Code Dynamo does not compile (a graph break, a
-    frame it gave up on) runs the plain model; this is how a caller notices, instead of
-    returning base outputs for adapter rows."""
+    and the modules the adapters change are noted. ``fixed`` slot ids serve every graph as
+    they are. ``batch``, when the caller knows it, is the input whose first dimension the
+    rows are: a graph traced in the call finds its rows through it. Code Dynamo does not
+    compile (a graph break, a frame it gave up on) runs the plain model; the record of the
+    call is how a caller notices, instead of returning base outputs for adapter rows:
+    ``pools``, the pools the graphs read; ``modules``, the targets whose LoRA ran in a graph;
+    ``left_traced``, the targets a graph called but left as traced, and why; ``eager``,
+    targets called outside the graphs (seen by :func:`watch_calls`' hooks); ``unknown``, a
+    graph ran for module instances it could not name. With ``watched`` (every target's eager
+    calls are seen), a target none of these saw was not called at all, and needs no LoRA (as
+    in PEFT)."""
 
     names: tuple[str | None, ...] | None = None
     fixed: torch.Tensor | None = None
+    batch: torch.Tensor | None = None  # the input whose first dimension the rows are counted by
+    watched: bool = False
     pools: dict[int, AdapterPool] = field(default_factory=dict)
     modules: set[str] = field(default_factory=set)
+    left_traced: dict[str, str] = field(default_factory=dict)  # target -> why a graph that ran left it as traced
+    eager: set[str] = field(default_factory=set)
+    unknown: bool = False
+    graph_breaks: Callable[[], list[str]] = list  # the reasons Dynamo gave, for the error
     _held: dict[int, tuple[list[int], set[str]]] = field(default_factory=dict)  # pool -> (slots, needed)
     _tensors: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
 
@@ -74,14 +90,30 @@ class Selection:
     def uses_adapters(self) -> bool:
         return self.names is not None and any(n is not None for n in self.names)
 
-    def require(self, needed: set[str]) -> None:
-        """Raise if the LoRA of a module in ``needed`` did not run."""
-        if missing := needed - self.modules:
+    def require(self, needed: set[str], pool: AdapterPool | None = None) -> None:
+        """Raise if a module in ``needed`` ran without its LoRA, or (unless ``watched``) if
+        its LoRA did not run; the error names the adapters of ``pool`` that need it."""
+        if self.unknown and needed:
             raise LoraNotRunError(
-                f"the LoRA of {len(missing)} module(s), e.g. {sorted(missing)[0]!r}, did not run: that code ran "
-                "outside the compiled graphs (a graph break, or Dynamo's recompile limit was hit). See explain() "
-                "and TORCH_LOGS=graph_breaks,recompiles."
+                "a compiled graph ran for module instances other than those it was traced for, and fxlora cannot "
+                "name them, so their LoRA did not run (a parameter replaced after compiling, or a graph Dynamo reused "
+                "for another model). See explain() and TORCH_LOGS=recompiles."
             )
+        if eager := needed & self.eager:
+            breaks = self.graph_breaks()
+            why = f"; Dynamo's graph breaks: {'; '.join(breaks[:3])}" if breaks else ""
+            raise _not_run(eager, f"it ran outside the compiled graphs (a graph break, a frame Dynamo skipped{why})")
+        if left := sorted(needed & self.left_traced.keys()):
+            raise _not_run(
+                left, f"fxlora left that module as traced, because {self.left_traced[left[0]]}", self._users(left[0], pool)
+            )
+        if not self.watched and (missing := needed - self.modules):
+            raise _not_run(missing, "that code ran outside the compiled graphs (a graph break, or Dynamo's recompile limit was hit)")
+
+    def _users(self, fqn: str, pool: AdapterPool | None) -> list[str]:
+        """The adapters of this call that have LoRA for target ``fqn`` of ``pool``."""
+        adapters = pool.adapters if pool is not None else {}
+        return sorted(n for n in set(self.names or ()) - {None} if fqn in getattr(adapters.get(n), "modules", ()))
 
     def require_adapters(self) -> None:
         """Raise unless the LoRA of every targeted module of the named adapters ran."""
@@ -94,8 +126,16 @@ class Selection:
                 "compiled graphs (Dynamo's recompile limit was hit, or nothing compiled with the fxlora backend "
                 "was called inside use_adapters). See TORCH_LOGS=recompiles."
             )
-        for _, needed in self._held.values():
-            self.require(needed)
+        for pool_id, (_, needed) in self._held.items():
+            self.require(needed, self.pools[pool_id])
+
+
+def _not_run(modules: set[str] | list[str], why: str, users: list[str] | None = None) -> LoraNotRunError:
+    who = f"adapter(s) {users}: " if users else ""
+    return LoraNotRunError(
+        f"{who}the LoRA of {len(modules)} module(s), e.g. {sorted(modules)[0]!r}, did not run: {why}. See explain() "
+        "and TORCH_LOGS=graph_breaks,recompiles."
+    )
 
 
 def _to_slot_tensor(slots: list[int], device: torch.device) -> torch.Tensor:
@@ -142,10 +182,11 @@ def check_names(adapter_names: Sequence[str | None] | None) -> tuple[str | None,
 
 
 @contextlib.contextmanager
-def use_slots(slot_ids: torch.Tensor | None) -> Iterator[Selection]:
+def use_slots(slot_ids: torch.Tensor | None, batch: torch.Tensor | None = None) -> Iterator[Selection]:
     """Calls made inside run ``lora`` with these per-row slot ids (int32, on the graphs'
-    device, :data:`NO_ADAPTER` for no adapter), or ``nolora`` when ``slot_ids`` is None."""
-    with selecting(Selection(fixed=slot_ids)) as selection:
+    device, :data:`NO_ADAPTER` for no adapter), or ``nolora`` when ``slot_ids`` is None;
+    ``batch``: the input whose first dimension the rows are."""
+    with selecting(Selection(fixed=slot_ids, batch=batch)) as selection:
         yield selection
 
 
@@ -167,35 +208,73 @@ def current_selection() -> Selection | None:
     return _selection.get()
 
 
-__all__ = ["NO_ADAPTER", "Router", "Selection", "current_selection", "use_adapters", "use_slots"]
+def watch_calls(model: torch.nn.Module, targets: dict[str, str]) -> list[RemovableHandle]:
+    """Note in the current selection each call of a target's module (``targets``: target
+    FQN -> its module's FQN) that runs outside the compiled graphs, by a forward pre-hook.
+    Traced into a graph, the hook is nothing: a module a graph inlines is known from the
+    graph. Returns the hooks' handles."""
+    fqns: dict[str, list[str]] = {}
+    for target, module in targets.items():
+        fqns.setdefault(module, []).append(target)
+    return [model.get_submodule(m).register_forward_pre_hook(_eager_call_hook(tuple(t))) for m, t in fqns.items()]
+
+
+def _eager_call_hook(targets: tuple[str, ...]) -> Callable[..., None]:
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        if not torch.compiler.is_compiling():
+            selection = _selection.get()
+            if selection is not None:
+                selection.eager.update(targets)
+
+    return hook
+
+
+# Run eagerly, the hook would otherwise become a frame Dynamo compiles (where it is_compiling);
+# traced inline, in a graph, it stays what it is.
+torch._dynamo.eval_frame.skip_code(_eager_call_hook(()).__code__)
+
+
+__all__ = ["NO_ADAPTER", "Router", "Selection", "current_selection", "use_adapters", "use_slots", "watch_calls"]
 
 
 class Router:
-    """Runs one compiled graph's ``lora`` or ``nolora`` variant, as the current names ask."""
+    """Runs one compiled graph's ``lora`` or ``nolora`` variant, as the current names ask,
+    for the module instance the call's inputs belong to."""
 
     def __init__(
         self,
-        variants: Variants,
+        instances: Instances,
         pool: AdapterPool,
         device: torch.device,
         graphs: GraphSet | None = None,
         lock: threading.RLock | None = None,
         owner: object = None,
         inner: str = "eager",
+        graph_breaks: Callable[[], list[str]] = list,
     ):
         """``graphs``: replay the variants from CUDA graphs captured per input signature;
         ``lock``: held while a variant runs (the graphs of one backend share memory);
         ``owner``: what made the router, kept alive as long as Dynamo keeps the graph;
-        ``inner``: the inner compiler of both variants (:mod:`fxlora.compiler.inner`)."""
-        self.pool, self.device = pool, device
+        ``inner``: the inner compiler of the variants (:mod:`fxlora.compiler.inner`);
+        ``graph_breaks``: Dynamo's reasons, for the error when a module ran outside."""
+        self.instances, self.pool, self.device = instances, pool, device
         self.owner = owner
         self.lock = lock or threading.RLock()
         self.graphs = graphs
-        self.lora_modules = variants.rewritten
-        candidates = (("lora", variants.lora), ("nolora", variants.nolora)) if graphs is not None else ()
-        self.uncapturable = {v: cpu_work(g) for v, g in candidates if g is not None}
-        self.lora = compile_inner(variants.lora, inner) if variants.lora is not None else None
-        self.nolora = compile_inner(variants.nolora, inner)
+        self.inner = inner
+        self.graph_breaks = graph_breaks
+        self._compiled: dict[tuple[int, str], tuple[Callable[..., Any], str | None]] = {}
+        for variant in ("lora", "nolora"):  # compiled now, while Dynamo's tracing context is current
+            if getattr(instances.traced, variant) is not None:
+                self._compiled_variant(instances.traced, variant)
+
+    @property
+    def lora(self) -> fx.GraphModule | None:
+        return self.instances.traced.lora
+
+    @property
+    def nolora(self) -> fx.GraphModule:
+        return self.instances.traced.nolora
 
     def __call__(self, *args):
         selection = _selection.get()
@@ -203,14 +282,33 @@ class Router:
             warn_unnamed(self.pool)
             selection = Selection()
         slot_ids = selection.slot_ids(self.pool, self.device)
-        if slot_ids is None or self.lora is None:
-            return self._run("nolora", args)
-        selection.modules |= self.lora_modules  # a graph runs whole or raises
-        return self._run("lora", (*args, slot_ids))
+        if slot_ids is None:
+            return self._run(self.instances.traced, "nolora", args)
+        selection.graph_breaks = self.graph_breaks
+        variants = self.instances.of(args)
+        if variants is None:  # the instance's modules have no name: none of its LoRA runs
+            selection.unknown = True
+            return self._run(self.instances.traced, "nolora", args)
+        # a graph runs whole or raises
+        selection.modules |= variants.rewritten
+        selection.left_traced.update(variants.left_traced)
+        if variants.lora is None:
+            return self._run(variants, "nolora", args)
+        return self._run(variants, "lora", (*args, slot_ids))
 
-    def _run(self, variant: str, args: tuple):
-        fn = getattr(self, variant)
+    def _compiled_variant(self, variants: Variants, variant: str) -> tuple[Callable[..., Any], str | None]:
+        """``variant`` of ``variants`` compiled by the inner compiler, and why it must run
+        without CUDA graphs (None: it may be captured)."""
+        key = (id(variants), variant)
+        if key not in self._compiled:
+            graph = getattr(variants, variant)
+            uncapturable = cpu_work(graph) if self.graphs is not None else None
+            self._compiled[key] = (compile_inner(graph, self.inner), uncapturable)
+        return self._compiled[key]
+
+    def _run(self, variants: Variants, variant: str, args: tuple):
+        fn, uncapturable = self._compiled_variant(variants, variant)
         with self.lock:
             if self.graphs is None:
                 return fn(*args)
-            return self.graphs.call((id(self), variant), fn, args, self.uncapturable[variant])
+            return self.graphs.call((id(self), id(variants), variant), fn, args, uncapturable)

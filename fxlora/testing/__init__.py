@@ -1,5 +1,6 @@
 """Property-testing tools for fxlora and for users' own models: hypothesis strategies,
-tiny random models and adapters, and the PEFT oracle."""
+tiny random models and adapters, and the oracles: PEFT, merged weights and the exact
+decomposition (the model's own output plus each module's reference delta)."""
 
 from fxlora.testing.models import (
     FAMILIES,
@@ -8,6 +9,7 @@ from fxlora.testing.models import (
     lora_module_names,
     make_adapter,
     per_expert_adapter,
+    quantized_model,
     shared_outer,
     tiny_config,
     tiny_model,
@@ -16,8 +18,10 @@ from fxlora.testing.oracle import (
     KL_TOL,
     NOISE_FACTOR,
     RTOL,
+    assert_matches_decomposition,
     assert_matches_peft,
     check_rows,
+    decomposed_logits,
     merged_logits,
     merged_model,
     oracle_noise,
@@ -46,14 +50,17 @@ __all__ = [
     "RTOL",
     "Batch",
     "adapter_sets",
+    "assert_matches_decomposition",
     "assert_matches_peft",
     "batches",
     "check_rows",
+    "decomposed_logits",
     "layered_module_names",
     "lora_configs",
     "lora_module_names",
     "make_adapter",
     "per_expert_adapter",
+    "quantized_model",
     "shared_outer",
     "merged_logits",
     "merged_model",

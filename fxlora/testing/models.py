@@ -1,7 +1,7 @@
 """Tiny random-weight models and PEFT adapters for tests and demos (no model hub).
 
 ``tiny_model(family)`` builds a ``transformers`` causal LM from a config with random
-weights; ``make_adapter`` wraps a copy of it with PEFT, gives the LoRA factors random
+weights, ``quantized_model`` a torchao-quantised copy of one; ``make_adapter`` wraps a copy of it with PEFT, gives the LoRA factors random
 values and returns the adapter saved to a directory or as ``(config, state_dict)``.
 """
 
@@ -101,13 +101,28 @@ def fill_zero_weights(model: torch.nn.Module, std: float) -> None:
             p.normal_(0.0, std)
 
 
+def quantized_model(model: torch.nn.Module, quant_type: Any, **kwargs: Any) -> torch.nn.Module:
+    """``model`` quantised by torchao as transformers users load one: saved to a temporary
+    directory and read back with ``from_pretrained(..., quantization_config=TorchAoConfig(
+    quant_type))`` (``kwargs``: further ``from_pretrained`` arguments). No hub needed."""
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    with tempfile.TemporaryDirectory(prefix="fxlora-quantized-") as directory:
+        model.save_pretrained(directory)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            directory, quantization_config=TorchAoConfig(quant_type), dtype=model.dtype, **kwargs
+        )
+    return quantized.eval()
+
+
 def lora_module_names(model: torch.nn.Module) -> list[str]:
     """Short names (``q_proj``, ``embed_tokens``, ...) of every linear and embedding module
     that sees one input per row: position embeddings, whose ids all rows share, are left out."""
     from fxlora.adapters import model_modules
 
     shared = {"wpe", "embed_positions"}
-    return sorted({n for name in model_modules(model) if (n := name.rsplit(".", 1)[-1]) not in shared})
+    modules = model_modules(model)
+    return sorted({n for name, info in modules.items() if (n := name.rsplit(".", 1)[-1]) not in shared and not info.parameter})
 
 
 def layered_module_names(model: torch.nn.Module) -> list[str]:
@@ -115,7 +130,8 @@ def layered_module_names(model: torch.nn.Module) -> list[str]:
     ``layers_to_transform`` can select)."""
     from fxlora.adapters import model_modules
 
-    return sorted({name.rsplit(".", 1)[-1] for name in model_modules(model) if re.search(r"\.\d+\.", name)})
+    modules = model_modules(model)
+    return sorted({name.rsplit(".", 1)[-1] for name, info in modules.items() if re.search(r"\.\d+\.", name) and not info.parameter})
 
 
 @torch.no_grad()

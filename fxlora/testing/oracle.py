@@ -1,9 +1,13 @@
-"""The correctness oracles: PEFT, one adapter at a time, on the rows that use it; and the
-model with one adapter merged into a copy of its weights.
+"""The correctness oracles: PEFT, one adapter at a time, on the rows that use it; the model
+with one adapter merged into a copy of its weights; and the exact decomposition, the model's
+own output with each targeted module's reference delta added onto it.
 
 For a mixed batch the reference output of a row is what PEFT gives with that row's adapter
 active (the unmodified model for ``None`` rows), computed on the sub-batch of rows sharing
-the adapter. The merged oracle needs no PEFT at all: ``W + scaling · B @ A`` per module.
+the adapter. The merged oracle needs no PEFT at all: ``W + scaling · B @ A`` per module. The
+decomposition needs neither PEFT nor access to the weights: the model runs its own base
+computation (a quantised matmul PEFT does not wrap, say) and forward hooks add
+``scaling · (x Aᵀ) Bᵀ`` onto the output of every module the row's adapter touches.
 Tolerances live here, one per dtype: float32 compares by relative error, float16 / bfloat16
 by the KL divergence of the per-token log-probabilities.
 
@@ -19,10 +23,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 # Relative error per row (||out - ref|| / ||ref||), float32.
 RTOL = {torch.float32: 1e-5}
@@ -34,8 +42,10 @@ NOISE_FACTOR = 4
 
 def peft_model_with(model: torch.nn.Module, adapters: Mapping[str, Any]) -> Any:
     """A PeftModel over a copy of ``model`` holding every adapter (directories, or
-    ``(config, state_dict)`` pairs)."""
+    ``(config, state_dict)`` pairs), each with the factors it was saved with
+    (:func:`_hold_as_saved`)."""
     from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+    from peft.utils import load_peft_weights
 
     peft_model = None
     for name, source in adapters.items():
@@ -46,13 +56,38 @@ def peft_model_with(model: torch.nn.Module, adapters: Mapping[str, Any]) -> Any:
             else:
                 peft_model.add_adapter(name, copy.deepcopy(config))
             set_peft_model_state_dict(peft_model, state, adapter_name=name)
-        elif peft_model is None:
-            peft_model = PeftModel.from_pretrained(copy.deepcopy(model), source, adapter_name=name)
         else:
-            peft_model.load_adapter(source, adapter_name=name)
+            state = load_peft_weights(source)
+            if peft_model is None:
+                peft_model = PeftModel.from_pretrained(copy.deepcopy(model), source, adapter_name=name)
+            else:
+                peft_model.load_adapter(source, adapter_name=name)
+        _hold_as_saved(peft_model, name, state)
     if peft_model is None:
         raise ValueError("no adapters given")
     return peft_model.eval()
+
+
+@torch.no_grad()
+def _hold_as_saved(peft_model: Any, name: str, saved: Mapping[str, torch.Tensor]) -> None:
+    """Make PEFT hold adapter ``name``'s factors as saved, wherever its loading changed them.
+
+    On transformers 5, PEFT passes adapter keys through the model's checkpoint conversion
+    rules, meant for checkpoints of an older layout. An adapter saved from the
+    model as it is needs none, and a rule that does not expect the current names mangles
+    them: Laguna's ``WeightRenaming("mlp.shared_expert.", "mlp.shared_experts.")`` is a
+    pattern whose ``.`` matches the ``s`` of ``shared_experts``, so PEFT looks for
+    ``shared_experts..down_proj`` and leaves those LoRA layers at their initial values. The
+    oracle is PEFT's computation with the adapter's own factors, so those are copied in."""
+    from peft import get_peft_model_state_dict
+
+    held = get_peft_model_state_dict(peft_model, adapter_name=name)  # views of the model's parameters
+    changed = [k for k, v in saved.items() if k in held and not torch.equal(held[k], v.to(held[k]))]
+    for key in changed:
+        held[key].copy_(saved[key])
+    if changed:
+        log.warning("PEFT loaded %d tensor(s) of adapter %r other than saved (e.g. %s): the oracle uses them as saved",
+                    len(changed), name, changed[0])  # fmt: skip
 
 
 def _rows(inputs: Mapping[str, Any], index: list[int]) -> dict[str, Any]:
@@ -105,14 +140,15 @@ def _per_adapter_logits(
 @torch.no_grad()
 def merged_model(model: torch.nn.Module, adapter: Any) -> torch.nn.Module:
     """A copy of ``model`` with ``adapter`` (anything :func:`fxlora.adapters.read_adapter`
-    takes) folded into its weights: ``W += scaling * B @ A`` for every module it touches, and
-    for every expert of an experts parameter it touches, in any of the experts formats."""
+    takes) folded into its weights: ``W += scaling * B @ A`` for every module (or 2-D
+    parameter) it touches, and for every expert of an experts parameter it touches, in any of
+    the experts formats."""
     from transformers.pytorch_utils import Conv1D
 
-    from fxlora.adapters import experts, read_adapter
+    from fxlora.adapters import ModuleInfo, placement, read_adapter
 
     merged = copy.deepcopy(model)
-    for fqn, f in experts.resolve(read_adapter("merged", adapter), merged).modules.items():
+    for fqn, f in placement.resolve(read_adapter("merged", adapter), merged).modules.items():
         if f.kind == "experts":  # W[e] += scaling * B[e] @ A[e], on the stored layout
             owner, _, name = fqn.rpartition(".")
             module, weight = merged.get_submodule(owner), getattr(merged.get_submodule(owner), name)
@@ -124,9 +160,12 @@ def merged_model(model: torch.nn.Module, adapter: Any) -> torch.nn.Module:
         delta = f.scaling * (f.b.double() @ f.a.double())  # (out, in); for an embedding (dim, vocab)
         if isinstance(module, (Conv1D, torch.nn.Embedding)):  # weights stored (in, out) / (vocab, dim)
             delta = delta.T
+        info = ModuleInfo.of(module) or ModuleInfo.over_parameter(module)  # a router: its one 2-D parameter
+        name = info.parameter or "weight"
+        weight = getattr(module, name)
         # a new tensor, not in place: tied weights (lm_head and embed_tokens) stay the base's
         # in the other module, as with unmerged LoRA
-        module.weight = torch.nn.Parameter(module.weight + delta.to(module.weight.dtype), requires_grad=False)
+        setattr(module, name, torch.nn.Parameter(weight + delta.to(weight.dtype), requires_grad=False))
     return merged.eval()
 
 
@@ -145,6 +184,64 @@ def merged_logits(
         return model if name is None else merged_model(model, adapters[name])
 
     return _per_adapter_logits(run, adapter_names, whole_batch, inputs)
+
+
+@torch.no_grad()
+def decomposed_logits(
+    model: torch.nn.Module,
+    adapters: Mapping[str, Any],
+    adapter_names: Sequence[str | None],
+    *,
+    whole_batch: bool = False,
+    **inputs: Any,
+) -> torch.Tensor:
+    """Logits of every row from ``model`` as it is, with the reference delta of the row's
+    adapter (anything :func:`fxlora.adapters.read_adapter` takes) added onto the output of
+    every linear and embedding module it touches, as PEFT's wrappers add it onto their base
+    layer's (``None``: no delta); run on the sub-batch of rows sharing the adapter, or with
+    ``whole_batch`` on all rows. Adapters of MoE experts parameters have no module output to
+    add onto and are refused."""
+
+    def run(name: str | None) -> Callable[..., Any]:
+        if name is None:
+            return model
+        hooks = _delta_hooks(model, name, adapters[name])
+
+        def call(**rows: Any) -> Any:
+            handles = [model.get_submodule(fqn).register_forward_hook(hook, with_kwargs=True) for fqn, hook in hooks.items()]
+            try:
+                return model(**rows)
+            finally:
+                for h in handles:
+                    h.remove()
+
+        return call
+
+    return _per_adapter_logits(run, adapter_names, whole_batch, inputs)
+
+
+def _delta_hooks(model: torch.nn.Module, name: str, adapter: Any) -> dict[str, Callable[..., Any]]:
+    """Per module the adapter touches, a forward hook adding its delta onto the output."""
+    from fxlora.adapters import placement, read_adapter
+
+    hooks = {}
+    for fqn, f in placement.resolve(read_adapter(name, adapter), model).modules.items():
+        if f.kind not in ("linear", "embedding"):
+            raise ValueError(f"the decomposition oracle adds deltas onto module outputs; adapter {name!r} has {f.kind} LoRA on {fqn!r}")
+        hooks[fqn] = functools.partial(_add_delta, f)
+    return hooks
+
+
+def _add_delta(f: Any, module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+    x = args[0] if args else next(iter(kwargs.values()))  # the module's one input
+    if f.kind == "embedding":  # PEFT: F.embedding(ids, A.T) @ B.T * scaling, times the module's own embed_scale
+        delta = (F.embedding(x, f.a.T) @ f.b.T) * f.scaling
+        scale = getattr(module, "embed_scale", None)
+        if scale is not None:
+            delta = delta * torch.as_tensor(scale).to(delta.dtype)
+    else:  # PEFT: lora_B(lora_A(x)) * scaling, in the factors' dtype
+        delta = F.linear(F.linear(x.to(f.a.dtype), f.a), f.b) * f.scaling
+    return output + delta.to(output.dtype)
 
 
 def check_rows(
@@ -219,7 +316,8 @@ def assert_matches_peft(
     **inputs: Any,
 ) -> torch.Tensor:
     """Run ``compiled`` (an ``fxlora.CompiledModel``) on a mixed batch and check every row
-    against PEFT with that row's adapter. Returns the compiled logits.
+    against PEFT with that row's adapter. Returns the compiled logits. For a base PEFT does not
+    wrap, :func:`assert_matches_decomposition`.
 
     ``adapters`` maps names to what was loaded (directories or ``(config, state_dict)``);
     pass ``peft_model`` to reuse one built by :func:`peft_model_with`."""
@@ -242,6 +340,34 @@ def assert_matches_peft(
         tolerance,
         noise=lambda: oracle_noise(reference, exact if used else None, adapter_names, **inputs),
         oracle="the PEFT oracle",
+    )
+    return out
+
+
+def assert_matches_decomposition(
+    compiled: Any,
+    model: torch.nn.Module,
+    adapters: Mapping[str, Any],
+    adapter_names: Sequence[str | None],
+    *,
+    tolerance: float | None = None,
+    **inputs: Any,
+) -> torch.Tensor:
+    """:func:`assert_matches_peft` against the exact decomposition (:func:`decomposed_logits`):
+    ``model``'s own output plus the reference delta of each row's adapter on every module it
+    touches. For bases PEFT does not wrap, such as quantised layers; ``model`` must be the
+    model ``compiled`` serves (as it was before compiling). Returns the compiled logits."""
+    with torch.no_grad():
+        out = compiled(adapter_names=list(adapter_names), **inputs).logits
+    reference = functools.partial(decomposed_logits, model, adapters)
+    check_rows(
+        out,
+        reference(adapter_names, **inputs),
+        adapter_names,
+        inputs.get("attention_mask"),
+        tolerance,
+        noise=lambda: oracle_noise(reference, None, adapter_names, **inputs),
+        oracle="the decomposition oracle",
     )
     return out
 

@@ -1,0 +1,132 @@
+"""Quantised base models: which quantisation a model carries, and whether fxlora can add LoRA
+onto each targeted module it quantised.
+
+torchao replaces a linear's weight by a tensor subclass (``Int8Tensor``,
+``IntxUnpackedToInt8Tensor``, ...); the trace keeps ``F.linear`` of that weight, which the
+``lora_delta`` pass leaves as it is and adds the delta onto. That is served, whether the
+model came through transformers' ``TorchAoConfig`` or ``torchao.quantize_``. A targeted
+embedding or experts parameter quantised so, and a targeted module quantised by another
+method (its own module class or a packed weight), raises :class:`QuantizationError` when the
+model is compiled, naming the method and the module. Experts whose parameters are quantised
+keep the model's experts implementation (transformers' grouped GEMMs cannot read them), and
+so carry no LoRA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from fxlora.adapters import experts
+from fxlora.adapters.pool import AdapterPool, ModuleInfo
+from fxlora.errors import QuantizationError
+
+SERVED_METHODS = ("torchao",)
+
+
+@dataclass(frozen=True)
+class QuantizedBase:
+    """What :func:`check_quantized` found: the method, the targeted linears whose quantised
+    weights keep their traced matmul (the delta goes onto their outputs), and the experts
+    modules with quantised parameters (no LoRA there: they keep the model's experts loop)."""
+
+    method: str
+    modules: tuple[str, ...]
+    experts: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        n = len(self.modules)
+        line = f"the base model is quantised ({self.method})" + (
+            f": {n} targeted linear(s) keep their quantised matmul, fxlora::lora_delta adds the LoRA delta onto their outputs"
+            if n
+            else "; none of its targeted modules is quantised"
+        )
+        if self.experts:
+            line += (
+                f"; {len(self.experts)} experts module(s) with quantised parameters keep the model's "
+                "experts implementation and carry no LoRA"
+            )
+        return line
+
+
+def quantization_method(model: torch.nn.Module) -> str | None:
+    """The model's quantisation as a name: transformers' ``quant_method`` and, for torchao,
+    its config class (``"torchao Int8WeightOnlyConfig"``); ``"torchao"`` for weights
+    ``torchao.quantize_`` replaced; None for an unquantised model."""
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    if config is None and getattr(model, "hf_quantizer", None) is not None:
+        config = model.hf_quantizer.quantization_config
+    if config is not None:
+        fields = config if isinstance(config, dict) else vars(config)
+        method = fields.get("quant_method")
+        method = str(getattr(method, "value", method) or type(config).__name__)
+        quant_type = fields.get("quant_type")
+        if method == "torchao" and quant_type is not None:
+            kind = quant_type if isinstance(quant_type, str) else type(quant_type).__name__
+            if isinstance(quant_type, dict):  # a config read back from JSON: {"default": {"_type": ...}}
+                kind = ", ".join(str(v.get("_type", k)) if isinstance(v, dict) else str(v) for k, v in quant_type.items())
+            return f"torchao {kind}"
+        return method
+    if any(_torchao_weight(p) for p in model.parameters()):
+        return "torchao"
+    return None
+
+
+def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str, ModuleInfo]) -> QuantizedBase | None:
+    """None for an unquantised model; else the method and the targeted linears it quantised.
+    ``modules``: the model's, about to be registered with ``pool``, which decides the targets.
+    Raises :class:`QuantizationError` for a targeted module fxlora cannot add LoRA onto."""
+    method = quantization_method(model)
+    if method is None:
+        return None
+    served = []
+    for fqn, info in modules.items():
+        if not pool.wants(fqn, info):
+            continue
+        module = model.get_submodule(fqn) if info.kind != "experts" else info.owner
+        weight = info.weight if info.weight is not None else getattr(module, "weight", None)
+        if info.kind == "experts":
+            if _quantized(weight):
+                raise QuantizationError(
+                    f"the base model is quantised ({method}) and LoRA targets the experts parameter {fqn!r}, which "
+                    f"holds a {type(weight).__name__}: quantised MoE experts cannot carry LoRA; leave "
+                    "them out of the adapters and target_modules"
+                )
+            continue
+        if _torchao_weight(weight):
+            if info.kind != "linear":
+                raise QuantizationError(
+                    f"the base model is quantised ({method}) and LoRA targets the {info.kind} {fqn!r}, whose weight is "
+                    f"a {type(weight).__name__}: fxlora adds LoRA onto quantised linears only"
+                )
+            served.append(fqn)
+        elif _quantized(weight) or (not method.startswith(SERVED_METHODS) and not _plain_module(module)):
+            raise QuantizationError(
+                f"the base model is quantised ({method}) and LoRA targets {fqn!r} ({type(module).__name__}, weight "
+                f"{type(weight).__name__} {getattr(weight, 'dtype', '')}): fxlora serves quantised bases through torchao "
+                "tensor-subclass weights (transformers' TorchAoConfig, torchao.quantize_) only"
+            )
+    quantized_experts = tuple(
+        fqn for fqn, m in model.named_modules() if experts.is_experts(m) and any(map(_quantized, experts.experts_parameters(m).values()))
+    )
+    return QuantizedBase(method, tuple(served), quantized_experts)
+
+
+def _torchao_weight(weight: object) -> bool:
+    return is_traceable_wrapper_subclass(weight) and type(weight).__module__.startswith("torchao")
+
+
+def _quantized(weight: object) -> bool:
+    """Whether a weight is anything but a plain floating-point tensor."""
+    if not isinstance(weight, torch.Tensor):
+        return False
+    plain = type(weight) in (torch.Tensor, torch.nn.Parameter)
+    return not plain or not weight.dtype.is_floating_point
+
+
+def _plain_module(module: torch.nn.Module) -> bool:
+    """A module whose class torch or transformers define (a quantisation library's own linear,
+    bitsandbytes' ``Linear4bit`` say, is not)."""
+    return type(module).__module__.split(".")[0] in ("torch", "transformers")

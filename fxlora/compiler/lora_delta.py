@@ -1,0 +1,216 @@
+"""lora_delta: the LoRA delta added onto the output of a targeted linear that is not a plain
+``F.linear`` of its weight.
+
+``fuse`` and ``lora_linear`` take the ``F.linear`` calls of plain weights. Every other linear
+target keeps its traced base computation — ``input @ weight.T`` (Falcon's ``FalconLinear``),
+an ``F.linear`` of a tensor-subclass weight (torchao's quantised weights), anything else its
+forward does — and gets ``fxlora::lora_delta`` onto its output, as PEFT's wrapper adds the
+delta onto its base layer's. The module is found by its boundary: the call nodes ``annotate``
+attributed to it or its submodules. Their region must have one output, of shape
+``(..., out_features)``, and read one input of shape ``(..., in_features)`` with the output's
+leading shape (parameters, recognised by identity with the model's, are not inputs). The op
+goes right after the output and adds in place, so every user of the output reads the sum.
+
+A module called more than once gets one op per call. Targets whose regions read the same input (a quantised model's q, k and v; Falcon's
+``query_key_value`` and ``dense_h_to_4h``) are joined in the pool (:meth:`AdapterPool.join`)
+and served by one call over all their outputs, the multi-slice layout: the later regions
+move up behind the first one, where their inputs are ready. A region that mutates anything
+is not moved and is served on its own. A module the pass cannot serve is left as traced and
+reported.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from fxlora.adapters import PoolGroup, PoolTarget
+from fxlora.compiler.batch_info import row_dim
+from fxlora.compiler.context import PassContext
+from fxlora.compiler.fuse import MAX_MEMBERS
+from fxlora.compiler.graph_edit import (
+    input_values,
+    meta_value,
+    module_calls,
+    module_region,
+    region_inputs,
+    region_outputs,
+)
+from fxlora.compiler.lora_linear import lora_operands
+from fxlora.errors import NotServed
+
+OP = "fxlora::lora_delta"
+# a region holding one of these (or a member's output of the fused one) was served by an earlier pass
+_SERVED = (torch.ops.fxlora.lora_linear.default, torch.ops.fxlora.lora_linear_fused.default)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A targeted module's traced nodes, the one input they read and their one output."""
+
+    target: PoolTarget
+    nodes: list[fx.Node]
+    x: fx.Node
+    output: fx.Node
+
+
+def lora_delta(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    values = input_values(gm, ctx)
+    readers: dict[fx.Node, list[Region]] = defaultdict(list)
+    for fqn, target in ctx.pool.targets.items():
+        if target.info.kind != "linear":
+            continue
+        nodes = module_region(gm, fqn)
+        if not nodes or any(_served(n) for n in nodes):
+            continue
+        try:
+            regions = [_boundary(target, call, values) for call in module_calls(fqn, nodes)]
+        except NotServed as why:
+            ctx.leave_traced(fqn, str(why))
+            continue
+        for region in regions:
+            readers[region.x].append(region)
+    groups = []
+    for x, regions in readers.items():
+        try:
+            rows = row_dim(gm, ctx, x, feature_dims=1)
+        except NotServed as why:
+            for r in regions:
+                ctx.leave_traced(r.target.fqn, str(why))
+            continue
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        regions.sort(key=lambda r: order[r.output])
+        for i in range(0, len(regions), MAX_MEMBERS):
+            groups += _serve(gm, ctx, x, rows, regions[i : i + MAX_MEMBERS])
+    if groups:
+        kinds = sorted({" + ".join(f.rpartition(".")[2] for f in g) for g in groups})
+        ctx.note(f"lora_delta: LoRA delta onto the traced base of {sum(map(len, groups))} module(s): {'; '.join(kinds)}")
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _served(node: fx.Node) -> bool:
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node.target in _SERVED
+
+
+def _boundary(target: PoolTarget, nodes: list[fx.Node], values: dict[fx.Node, object]) -> Region:
+    """The region's input and output; raises :class:`NotServed` when they do not fit a linear."""
+    info = target.info
+    outputs = region_outputs(nodes)
+    if len(outputs) != 1:
+        raise NotServed(f"its traced region has {len(outputs)} outputs, not one")
+    output = outputs[0]
+    y = meta_value(output)
+    if not isinstance(y, torch.Tensor) or y.dim() == 0 or not _is(y.shape[-1], info.out_features):
+        shape = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+        raise NotServed(f"its traced output {shape} is not (..., {info.out_features})")
+    lead = str(tuple(y.shape[:-1]))
+    candidates = []
+    for a in region_inputs(nodes):
+        v = meta_value(a)
+        value = values.get(a)
+        if a.op == "get_attr" or isinstance(value, torch.nn.Parameter) or (value is not None and value is info.weight):
+            continue
+        if isinstance(v, torch.Tensor) and v.dim() and _is(v.shape[-1], info.in_features) and str(tuple(v.shape[:-1])) == lead:
+            candidates.append(a)
+    if len(candidates) != 1:
+        raise NotServed(
+            f"its traced region reads {len(candidates)} inputs of shape (..., {info.in_features}) with its output's "
+            f"leading shape {lead}, not one"
+        )
+    x = candidates[0]
+    if _shares_memory(y, meta_value(x)):
+        raise NotServed("its traced output shares memory with its input")
+    return Region(target, nodes, x, output)
+
+
+def _is(size: object, n: int) -> bool:
+    """``size == n`` for a static size, without asking a symbolic one (which would guard)."""
+    return isinstance(size, int) and size == n
+
+
+def _shares_memory(a: torch.Tensor, b: object) -> bool:
+    if not isinstance(b, torch.Tensor) or is_traceable_wrapper_subclass(a) or is_traceable_wrapper_subclass(b):
+        return False  # a wrapper's storage is its inner tensors': a plain output is never one of them
+    return StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage())
+
+
+def _serve(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions: list[Region]) -> list[tuple[str, ...]]:
+    """One op for ``regions`` (graph order; their input's rows along its dimension ``rows``)
+    where they can be joined, else one op each; returns the names of each group served."""
+    if len({r.target.fqn for r in regions}) == len(regions) > 1:  # a module called twice is served per call
+        why = _cannot_group(gm, regions)
+        if why is None:
+            try:
+                group = ctx.pool.join([r.target.fqn for r in regions])
+            except NotServed as e:
+                why = str(e)
+        if why is None:
+            _move_up(gm, regions)
+            _insert(gm, ctx, x, rows, regions, group)
+            return [group.fqns]
+        ctx.note(f"not joined {', '.join(r.target.fqn for r in regions)}: {why}")
+    for r in regions:
+        _insert(gm, ctx, x, rows, [r], r.target)
+    return [(r.target.fqn,) for r in regions]
+
+
+def _cannot_group(gm: fx.GraphModule, regions: list[Region]) -> str | None:
+    """Why the later regions cannot run right after the first one's output, or None."""
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first = position[regions[0].output]
+    dtypes = {meta_value(r.output).dtype for r in regions}
+    if len(dtypes) > 1:
+        return f"their outputs differ in dtype ({', '.join(map(str, sorted(dtypes, key=str)))})"
+    for r in regions[1:]:
+        late = [a for a in region_inputs(r.nodes) if position[a] > first]
+        if late:
+            return f"{r.target.fqn} reads {late[0].name}, computed after {regions[0].target.fqn}"
+        if not all(_pure(n) for n in r.nodes):
+            return f"{r.target.fqn} mutates a tensor, so it stays where it was traced"
+    return None
+
+
+def _pure(node: fx.Node) -> bool:
+    """Whether ``node`` writes nothing but its own output (so it may move earlier)."""
+    if node.op == "call_method":
+        return not (node.target.endswith("_") and not node.target.endswith("__"))
+    if isinstance(node.target, torch._ops.OpOverload):
+        return not node.target._schema.is_mutable
+    name = getattr(node.target, "__name__", "")
+    return not (name.startswith("i") and getattr(operator, name, None) is node.target) and node.target is not operator.setitem
+
+
+def _move_up(gm: fx.GraphModule, regions: list[Region]) -> None:
+    """Move the later regions' nodes, in order, to right after the first region's output."""
+    point = regions[0].output
+    for r in regions[1:]:
+        for n in r.nodes:
+            point.append(n)
+            point = n
+
+
+def _insert(
+    gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions: list[Region], factors: PoolTarget | PoolGroup
+) -> None:
+    """``lora_delta(x, [outputs], ...)`` right after the last region's output."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    last = max((r.output for r in regions), key=order.__getitem__)
+    with gm.graph.inserting_before(last.next):
+        args = (x, [r.output for r in regions], *lora_operands(gm, ctx, x, factors, rows))
+        op = gm.graph.call_function(torch.ops.fxlora.lora_delta.default, args)
+    fqns = [r.target.fqn for r in regions]
+    op.meta["fxlora_module"] = fqns[0] if len(fqns) == 1 else os.path.commonprefix([f + "." for f in fqns]).rpartition(".")[0]
+    op.meta["example_value"] = None
+    for fqn in fqns:
+        ctx.rewritten[fqn] = OP

@@ -1,0 +1,176 @@
+"""``fxlora::lora_delta``: each token's own LoRA delta, added in place onto outputs that some
+base computation already wrote.
+
+For every token ``t`` with slot ``s >= 0``:
+``y[t] += scaling[s] * (x[t] @ lora_a[s, :rank[s]].T) @ lora_b[s, :, :rank[s]].T``. The op
+leaves the base alone, whatever computed ``y`` (``input @ weight.T``, a quantised matmul, a
+tensor-subclass weight): tokens without an adapter, and slots of rank 0, keep their values
+bit for bit. Several outputs that read one input (the multi-slice layout) take one call.
+
+This file also holds what every linear LoRA op shares: the reference delta (PEFT's
+operations, one slot at a time), the shrink's workspace, and :func:`with_lora_delta`, which
+launches the Triton SGMV / BGMV kernels around a base computation on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fxlora.ops.batch_info import slot_groups
+from fxlora.ops.operands import BatchInfo, LoraWeights
+from fxlora.ops.triton import bgmv, sgmv
+
+
+def lora_delta_reference(y: torch.Tensor, x: torch.Tensor, weights: LoraWeights, token_slot: torch.Tensor) -> None:
+    """Add the LoRA delta into ``y`` (``(T, out)``) for ``x`` (``(T, in)``), one slot at a time,
+    with the same operations and order as PEFT. Reads slot ids on the host."""
+    lora_a, lora_b, scaling, rank = weights
+    for s, r, idx in slot_groups(token_slot, rank):
+        xs = x.index_select(0, idx).to(lora_a.dtype)
+        delta = (xs @ lora_a[s, :r].T) @ lora_b[s, :, :r].T
+        y.index_add_(0, idx, (delta * scaling[s].to(delta.dtype)).to(y.dtype))
+
+
+def sliced_delta_reference(ys: list[torch.Tensor], x: torch.Tensor, weights: LoraWeights, token_slot: torch.Tensor) -> None:
+    """:func:`lora_delta_reference` for each output slice ``ys[i]`` (``(T, width_i)``) of the
+    multi-slice layout: rank rows ``i * max_rank ..`` of ``lora_a``, output rows
+    ``sum(width_0 .. width_{i-1}) ..`` of ``lora_b``, entries ``s * len(ys) + i`` of ``scaling``
+    and ``rank``."""
+    lora_a, lora_b, scaling, rank = weights
+    n, max_rank, col = len(ys), lora_a.shape[1] // len(ys), 0
+    for i, y in enumerate(ys):
+        width = y.shape[-1]
+        a, b = lora_a[:, i * max_rank : (i + 1) * max_rank], lora_b[:, col : col + width]
+        lora_delta_reference(y, x, LoraWeights(a, b, scaling[i::n], rank[i::n]), token_slot)
+        col += width
+
+
+def lora_workspace(x: torch.Tensor, lora_a: torch.Tensor, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """Scratch for the CUDA kernel's shrink result, ``(tokens, lora_a.shape[1])`` float32. A
+    graph allocates it as its own node, so the ``hoist`` pass can place it in the arena."""
+    tokens = x.numel() // x.shape[-1]
+    return torch.empty((tokens, lora_a.shape[1]), dtype=torch.float32, device=device or x.device)
+
+
+def with_lora_delta(
+    x: torch.Tensor,
+    base: Callable[[], torch.Tensor | list[torch.Tensor]],
+    weights: LoraWeights,
+    info: BatchInfo,
+    workspace: torch.Tensor,
+    overlap: bool,
+    slice_widths: tuple[int, ...] | None,
+    one_gemm: bool,
+) -> torch.Tensor | list[torch.Tensor]:
+    """``base()`` (one output, or one per slice) with the LoRA delta added in place into its
+    output(s) by the Triton kernels; ``one_gemm``: whether ``base`` is one GEMM launch for all
+    slices. With ``overlap`` the shrink (which reads only ``x``) runs on a side stream beside
+    ``base``, which is issued first."""
+    lora_a, lora_b, scaling, rank = weights
+    x2 = x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
+    slices = len(slice_widths or (None,))
+    config = sgmv.shrink_config(x2.shape[0], x2.shape[1], lora_a.shape[1], slices if one_gemm else 1, x.device)
+    shrink = lambda: sgmv.lora_shrink(x2, lora_a, rank, *info.segments, slices, config, out=workspace)  # noqa: E731
+    if bgmv.serves(x2.shape[0], lora_b.shape[-1], x.device):
+        expand = lambda y, v: bgmv.lora_expand(y, v, lora_b, scaling, rank, info.token_slot, slice_widths)  # noqa: E731
+    else:
+        expand = lambda y, v: sgmv.lora_expand(y, v, lora_b, scaling, rank, *info.segments, slice_widths)  # noqa: E731
+    if overlap:  # the GEMM is issued first, the shrink forked from the point before it
+        main, side = torch.cuda.current_stream(), _side_stream(x.device)
+        inputs_ready = torch.cuda.Event()
+        inputs_ready.record(main)
+        y = base()
+        side.wait_event(inputs_ready)
+        with torch.cuda.stream(side):
+            v = shrink()
+        main.wait_stream(side)
+        v.record_stream(main)
+    else:
+        v = shrink()
+        y = base()
+    rows = lambda t: t.view(-1, t.shape[-1])  # noqa: E731
+    expand(rows(y) if isinstance(y, torch.Tensor) else [rows(t) for t in y], v)
+    return y
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+@torch.library.custom_op("fxlora::lora_delta", mutates_args=("outputs", "workspace"))
+def lora_delta(
+    x: torch.Tensor,
+    outputs: list[torch.Tensor],
+    lora: list[torch.Tensor],
+    batch: list[torch.Tensor],
+    workspace: torch.Tensor,
+) -> None:
+    """Add the delta of ``x`` (``(..., in)``) in place onto ``outputs``: one ``(..., out)``
+    tensor, or one per slice of the multi-slice layout, each with ``x``'s leading shape.
+    ``lora``: the factors (:class:`LoraWeights`); ``batch``: the tokens' metadata
+    (:class:`BatchInfo`); ``workspace`` (from :func:`lora_workspace`): the CUDA kernel's
+    shrink result."""
+    ys, written = _rows(x, outputs, unit_stride=False)
+    sliced_delta_reference(ys, x.reshape(-1, x.shape[-1]), LoraWeights(*lora), BatchInfo(*batch).token_slot)
+    written()
+
+
+def lora_delta_triton(
+    x: torch.Tensor,
+    outputs: list[torch.Tensor],
+    lora: list[torch.Tensor],
+    batch: list[torch.Tensor],
+    workspace: torch.Tensor,
+) -> None:
+    """The CUDA implementation: one shrink and one expand over every output (the base has
+    run already, so there is nothing for the shrink to overlap with)."""
+    ys, written = _rows(x, outputs, unit_stride=True)
+    widths = tuple(y.shape[-1] for y in ys) if len(ys) > 1 else None
+    base = (lambda: ys) if widths else (lambda: ys[0])  # noqa: E731
+    with_lora_delta(x, base, LoraWeights(*lora), BatchInfo(*batch), workspace, False, widths, one_gemm=False)
+    written()
+
+
+def _rows(x: torch.Tensor, outputs: list[torch.Tensor], unit_stride: bool) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """Each output as ``(T, width)`` rows that writes reach, and a function to call once they
+    are written. An output that cannot be viewed so (or, for the kernels, whose features are
+    not contiguous) is worked on in a contiguous copy that the function copies back."""
+    if not outputs:
+        raise ValueError("fxlora::lora_delta needs at least one output")
+    rows, copies = [], []
+    for i, y in enumerate(outputs):
+        if y.dim() == 0 or y.shape[:-1] != x.shape[:-1]:
+            raise ValueError(
+                f"fxlora::lora_delta: output {i} has shape {tuple(y.shape)}, but the input's leading shape is "
+                f"{tuple(x.shape[:-1])}"
+            )
+        try:
+            r = y.view(-1, y.shape[-1])
+        except RuntimeError:
+            r = None
+        if r is None or (unit_stride and r.stride(-1) != 1):
+            r = y.reshape(-1, y.shape[-1]).contiguous().clone()
+            copies.append((y, r))
+        rows.append(r)
+
+    def written() -> None:
+        for y, r in copies:
+            y.copy_(r.view(y.shape))
+
+    return rows, written
+
+
+if sgmv is not None:
+    lora_delta.register_kernel("cuda")(lora_delta_triton)
+
+
+@lora_delta.register_fake
+def _(x, outputs, lora, batch, workspace):
+    return None

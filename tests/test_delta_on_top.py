@@ -1,0 +1,190 @@
+"""LoRA added onto bases that are not a plain F.linear, end to end through fxlora.compile:
+Falcon's ``input @ weight.T`` linears, and torchao int8 / int4 weight-only linears (loaded
+through transformers' ``TorchAoConfig``), in mixed batches (a, None, b) against PEFT (which
+wraps both) and against the exact decomposition; rows without an adapter equal the model's
+own output bit for bit, in the lora and the nolora variant. float32: 1e-5 relative error per
+row (``fxlora.testing.RTOL``). Also the compile-time refusals, each naming the quantisation
+method and the module."""
+
+import pytest
+import torch
+from peft import LoraConfig
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import fxlora
+from fxlora.testing import (
+    assert_matches_decomposition,
+    assert_matches_peft,
+    make_adapter,
+    quantized_model,
+    tiny_model,
+)
+
+LORA_DELTA = torch.ops.fxlora.lora_delta.default
+NAMES = ["a", None, "b"]
+
+
+def inputs(rows=3, length=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 96, (rows, length), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def adapters_for(model, subset):
+    return {
+        "a": make_adapter(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"), seed=1, directory=""),
+        "b": make_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules=subset, use_rslora=True), seed=2, directory=""),
+    }
+
+
+def check_base_rows(cm, model, batch, out):
+    """Rows without an adapter: the model's own output, bit for bit, in both variants."""
+    with torch.no_grad():
+        base = model(**batch).logits
+        nolora = cm(**batch, adapter_names=[None] * len(NAMES)).logits
+    assert torch.equal(out[1], base[1])
+    assert torch.equal(nolora, base)
+
+
+def delta_modules(cm):
+    return {fqn for fqn, op in cm.backend.rewritten.items() if op == "fxlora::lora_delta"}
+
+
+def test_falcon_linears_get_the_delta_onto_their_matmul():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "falcon", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=96, bias=True,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert type(model.transformer.h[0].mlp.dense_h_to_4h).__name__ == "FalconLinear"
+    adapters = adapters_for(model, ["query_key_value", "dense_4h_to_h"])
+    cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
+    batch = inputs()
+    out = assert_matches_peft(cm, model, adapters, NAMES, **batch)
+    check_base_rows(cm, model, batch, out)
+    assert delta_modules(cm) == {n for n, m in model.named_modules() if type(m).__name__ == "FalconLinear"}
+    # query_key_value and dense_h_to_4h read the same layer norm: one op for both
+    assert sum(n.target is LORA_DELTA for r in cm.backend.routers if r.lora is not None for n in r.lora.graph.nodes) == 3 * 2
+    assert "query_key_value + dense_h_to_4h" in cm.explain()
+
+
+QUANT_TYPES = ["int8", "int4"]
+
+
+def quant_type(name):
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup
+
+    if name == "int8":
+        return Int8WeightOnlyConfig()
+    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))  # dense int4, runs on CPU
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", seed=5, intermediate_size=64)  # int4 groups of 32 need widths divisible by 32
+
+
+@pytest.mark.parametrize("quant", QUANT_TYPES)
+def test_torchao_linears_keep_their_quantised_matmul(llama, quant):
+    torch._dynamo.reset()
+    model = quantized_model(llama, quant_type(quant))
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    assert type(weight).__module__.startswith("torchao")
+    adapters = adapters_for(llama, ["q_proj", "v_proj", "down_proj"])
+    cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
+    batch = inputs()
+    out = assert_matches_peft(cm, model, adapters, NAMES, **batch)  # PEFT's TorchaoLoraLinear
+    assert_matches_decomposition(cm, model, adapters, NAMES, **batch)
+    check_base_rows(cm, model, batch, out)
+    quantized = {n for n, m in model.named_modules() if type(getattr(m, "weight", None)).__module__.startswith("torchao")}
+    assert delta_modules(cm) == quantized and set(cm.backend.rewritten) == quantized
+    report = cm.explain()
+    method = type(quant_type(quant)).__name__
+    assert f"quantised (torchao {method}): {len(quantized)} targeted linear(s) keep their quantised matmul" in report
+    assert f"LoRA delta onto the traced base of {len(quantized)} module(s): " in report
+    assert "q_proj + k_proj + v_proj" in report and "gate_proj + up_proj" in report
+
+
+def test_torchao_quantize_without_transformers_is_served(llama):
+    """Weights that ``torchao.quantize_`` replaced, with no quantization_config: named "torchao"."""
+    import copy
+
+    pytest.importorskip("torchao")
+    from torchao.quantization import quantize_
+
+    torch._dynamo.reset()
+    model = copy.deepcopy(llama)
+    quantize_(model.model, quant_type("int8"))
+    adapters = adapters_for(llama, ["o_proj"])
+    cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
+    batch = inputs(seed=1)
+    out = assert_matches_decomposition(cm, model, adapters, NAMES, **batch)
+    check_base_rows(cm, model, batch, out)
+    assert "quantised (torchao): 14 targeted linear(s)" in cm.explain()
+
+
+def test_a_packed_weight_of_another_method_is_refused_at_compile_time(llama):
+    import copy
+
+    model = copy.deepcopy(llama)
+    model.config.quantization_config = {"quant_method": "bitsandbytes"}
+    proj = model.model.layers[1].mlp.up_proj
+    proj.weight = torch.nn.Parameter(proj.weight.to(torch.int8), requires_grad=False)  # as a packed weight is
+    adapters = adapters_for(llama, ["up_proj"])
+    with pytest.raises(fxlora.QuantizationError, match=r"quantised \(bitsandbytes\).*'model\.layers\.1\.mlp\.up_proj'"):
+        fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
+
+
+def test_a_quantised_method_that_leaves_the_targets_alone_is_named(llama):
+    import copy
+
+    torch._dynamo.reset()
+    model = copy.deepcopy(llama)
+    model.config.quantization_config = {"quant_method": "fp8"}
+    cm = fxlora.compile(model, adapters_for(llama, ["q_proj"]), max_loras=2, max_rank=8)
+    assert "note: the base model is quantised (fp8); none of its targeted modules is quantised" in cm.explain()
+
+
+def test_a_quantised_embedding_is_refused_at_compile_time(llama):
+    import copy
+
+    pytest.importorskip("torchao")
+    from torchao.quantization import quantize_
+
+    model = copy.deepcopy(llama)
+    quantize_(model, quant_type("int8"), filter_fn=lambda m, fqn: fqn == "model.embed_tokens")
+    adapter = make_adapter(llama, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), seed=3, directory="")
+    with pytest.raises(fxlora.QuantizationError, match=r"quantised \(torchao\).*embedding 'model\.embed_tokens'"):
+        fxlora.compile(model, {"a": adapter}, max_loras=2, max_rank=8)
+
+
+def test_quantised_experts_keep_the_models_loop_and_refuse_lora():
+    """torchao int8 experts (FqnToConfig on the experts' parameters) run transformers' eager
+    loop, which reads them; LoRA on them is refused naming the parameter, LoRA elsewhere is
+    served, and rows without an adapter are the quantised model's own."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig
+
+    torch._dynamo.reset()
+    dense = tiny_model("qwen3_moe", seed=2, intermediate_size=64, moe_intermediate_size=32)
+    per_fqn = {rf"re:.*experts\.{p}": Int8WeightOnlyConfig() for p in ("gate_up_proj", "down_proj")}
+    model = quantized_model(dense, FqnToConfig(per_fqn), experts_implementation="eager")
+    experts_lora = LoraConfig(r=2, target_modules=[], target_parameters=["experts.gate_up_proj"])
+    with pytest.raises(fxlora.QuantizationError, match=r"torchao FqnToConfig.*'model\.layers\.0\.mlp\.experts\.gate_up_proj'"):
+        fxlora.compile(model, {"e": make_adapter(dense, experts_lora, seed=3, directory="")}, max_loras=2, max_rank=8)
+    assert model.config._experts_implementation == "eager"
+    adapters = {
+        "a": make_adapter(dense, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]), seed=1, directory=""),
+        "b": make_adapter(dense, LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"]), seed=2, directory=""),
+    }
+    cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
+    assert model.config._experts_implementation == "eager"  # grouped_mm cannot read Int8Tensor experts
+    batch = inputs(length=5)
+    out = assert_matches_decomposition(cm, model, adapters, NAMES, **batch)
+    check_base_rows(cm, model, batch, out)
+    assert "2 experts module(s) with quantised parameters keep the model's experts implementation" in cm.explain()

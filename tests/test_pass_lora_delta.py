@@ -1,0 +1,174 @@
+"""The lora_delta pass on small Dynamo-traced modules: linears that are not a plain F.linear of
+their weight (``input @ weight.T``, torchao-quantised weights) get fxlora::lora_delta onto
+their output, joined when they read one input; against PEFT per row (float32, 1e-5 relative),
+rows without an adapter bit for bit the traced graph's."""
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from fxlora.adapters import AdapterPool, model_modules, read_adapter
+from fxlora.compiler import PassContext, run_pipeline
+from fxlora.compiler.annotate import ModuleTree
+from fxlora.testing import check_rows, make_adapter, peft_model_with
+
+LORA_DELTA = torch.ops.fxlora.lora_delta.default
+LORA_LINEAR = torch.ops.fxlora.lora_linear.default
+LORA_LINEAR_FUSED = torch.ops.fxlora.lora_linear_fused.default
+
+
+class MatmulLinear(torch.nn.Linear):
+    """Falcon's FalconLinear: ``input @ weight.T``, then the bias."""
+
+    def forward(self, x):
+        y = x @ self.weight.T
+        return y if self.bias is None else y + self.bias
+
+
+class InPlaceLinear(torch.nn.Linear):
+    """A forward that scales its own result in place."""
+
+    def forward(self, x):
+        y = x @ self.weight.T
+        return y.mul_(0.5)
+
+
+class Block(torch.nn.Module):
+    """``a`` and ``b`` read one input, ``a``'s output is used before ``b`` runs; ``c`` is a
+    plain linear."""
+
+    def __init__(self, first=MatmulLinear, second=MatmulLinear):
+        super().__init__()
+        self.a, self.b, self.c = first(8, 6), second(8, 4, bias=False), torch.nn.Linear(10, 8)
+
+    def forward(self, h):
+        ya = torch.relu(self.a(h))
+        return self.c(torch.cat([ya, self.b(h)], -1)) + h
+
+
+class Twice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = MatmulLinear(8, 8)
+
+    def forward(self, h):
+        return self.a(self.a(h))
+
+
+def compile_toy(model, adapters, h):
+    """The pipeline's variants for ``model`` traced by Dynamo on ``h``, its context and inputs."""
+    pool = AdapterPool(max_loras=3, max_rank=4)
+    for name, adapter in adapters.items():
+        pool.load(read_adapter(name, adapter))
+    pool.register_modules(model_modules(model), complete=True)
+    captured = {}
+
+    def backend(gm, example_inputs):
+        ctx = PassContext(pool, inputs=list(example_inputs), modules=ModuleTree(model))
+        captured.update(variants=run_pipeline(gm, ctx), ctx=ctx, inputs=list(example_inputs))
+        return captured["variants"].nolora
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(h)
+    return captured["variants"], captured["ctx"], captured["inputs"], pool
+
+
+def count(gm, target):
+    return sum(1 for n in gm.graph.nodes if n.target is target)
+
+
+def adapters_for(model, targets):
+    return {
+        "one": make_adapter(model, LoraConfig(r=2, lora_alpha=4, target_modules=targets), seed=1, directory=""),
+        "two": make_adapter(model, LoraConfig(r=4, lora_alpha=2, target_modules=targets[:1]), seed=2, directory=""),
+    }
+
+
+def check_against_peft(model, adapters, variants, inputs, pool, h):
+    peft_model = peft_model_with(model, adapters)
+    base = model(h)
+    for names in (["one", None, "two"], ["two", "two", "one"], [None, None, None]):
+        out = variants.lora(*inputs, torch.tensor(pool.slot_ids(names), dtype=torch.int32))
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        ref = torch.empty_like(out)
+        for i, name in enumerate(names):
+            if name is None:
+                ref[i] = base[i]
+            else:
+                peft_model.set_adapter(name)
+                ref[i] = peft_model(h[i : i + 1])[0]
+        check_rows(out, ref, names)
+        rows = [i for i, n in enumerate(names) if n is None]
+        assert torch.equal(out[rows], base[rows])  # no adapter: the traced base, bit for bit
+
+
+def test_matmul_linears_get_the_delta_joined_on_their_shared_input():
+    torch.manual_seed(0)
+    model = Block().eval()
+    h = torch.randn(3, 5, 8)
+    adapters = adapters_for(model, ["a", "b", "c"])
+    variants, ctx, inputs, pool = compile_toy(model, adapters, h)
+    assert count(variants.lora, LORA_DELTA) == 1  # a and b: one op over both outputs
+    assert count(variants.lora, LORA_LINEAR) == 1  # c: a plain F.linear keeps the fused op
+    assert ctx.rewritten == {"a": "fxlora::lora_delta", "b": "fxlora::lora_delta", "c": "fxlora::lora_linear"}
+    assert ("a", "b") in pool.groups
+    assert "lora_delta: LoRA delta onto the traced base of 2 module(s): a + b" in ctx.report
+    assert not any(n.target is LORA_DELTA for n in variants.nolora.graph.nodes)
+    check_against_peft(model, adapters, variants, inputs, pool, h)
+
+
+def test_the_rewritten_graph_compiles_with_inductor():
+    """Inductor, the inner compiler to come, functionalizes the in-place op soundly."""
+    torch.manual_seed(0)
+    model = Block().eval()
+    h = torch.randn(3, 5, 8)
+    variants, _, inputs, pool = compile_toy(model, adapters_for(model, ["a", "b", "c"]), h)
+    torch._dynamo.reset()
+    compiled = torch.compile(variants.lora, backend="inductor")
+    for names in (["one", None, "two"], [None, None, None]):
+        slots = torch.tensor(pool.slot_ids(names), dtype=torch.int32)
+        torch.testing.assert_close(compiled(*inputs, slots)[0], variants.lora(*inputs, slots)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_region_that_mutates_is_served_where_it_was_traced():
+    torch.manual_seed(0)
+    model = Block(second=InPlaceLinear).eval()
+    h = torch.randn(3, 5, 8)
+    adapters = adapters_for(model, ["b", "a"])
+    variants, ctx, inputs, pool = compile_toy(model, adapters, h)
+    assert count(variants.lora, LORA_DELTA) == 2
+    assert any(line.startswith("not joined a, b: b mutates a tensor") for line in ctx.report)
+    check_against_peft(model, adapters, variants, inputs, pool, h)
+
+
+def test_a_module_called_twice_gets_the_delta_on_each_call():
+    """``a(a(h))``: one region without its calls told apart would have one output and one
+    input, and one delta where PEFT adds two."""
+    torch.manual_seed(0)
+    model = Twice().eval()
+    h = torch.randn(3, 5, 8)
+    adapters = adapters_for(model, ["a"])
+    variants, ctx, inputs, pool = compile_toy(model, adapters, h)
+    assert count(variants.lora, LORA_DELTA) == 2 and ctx.rewritten == {"a": "fxlora::lora_delta"}
+    check_against_peft(model, adapters, variants, inputs, pool, h)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_torchao_weights_are_left_to_lora_delta(quantization):
+    """fuse and lora_linear would hand the quantised weight to F.linear inside their op; the
+    traced F.linear of the quantised weight stays, and the delta goes onto it."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup, quantize_
+
+    torch.manual_seed(0)
+    model = Block(first=torch.nn.Linear, second=torch.nn.Linear).eval()
+    model.a, model.b, model.c = torch.nn.Linear(32, 6), torch.nn.Linear(32, 4, bias=False), torch.nn.Linear(10, 32)
+    adapters = adapters_for(model, ["a", "b", "c"])
+    config = Int8WeightOnlyConfig() if quantization == "int8" else IntxWeightOnlyConfig(torch.int4, PerGroup(32))
+    quantize_(model, config, filter_fn=lambda m, fqn: fqn in ("a", "b"))
+    assert type(model.a.weight).__module__.startswith("torchao")
+    h = torch.randn(3, 5, 32)
+    variants, ctx, inputs, pool = compile_toy(model, adapters, h)
+    assert count(variants.lora, LORA_DELTA) == 1 and count(variants.lora, LORA_LINEAR_FUSED) == 0
+    assert ctx.rewritten == {"a": "fxlora::lora_delta", "b": "fxlora::lora_delta", "c": "fxlora::lora_linear"}
+    check_against_peft(model, adapters, variants, inputs, pool, h)
