@@ -32,7 +32,7 @@ from fxlora.errors import AdapterError
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.explain import GraphRecord
 from fxlora.runtime.instances import Instances
-from fxlora.runtime.routing import Router, current_selection
+from fxlora.runtime.routing import Router, compiling, current_selection
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,8 @@ class Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
         inner = resolve_inner(self.inner, _first_device(example_inputs))
         ctx = self._context(example_inputs, inner)
-        variants = run_pipeline(gm, ctx)
+        with compiling():
+            variants = run_pipeline(gm, ctx)
         devices = {self.pool.targets[fqn].info.device for fqn in variants.rewritten}
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
         if self.cuda_graphs and self.graphs is None:
@@ -121,7 +122,8 @@ class Backend:
     ) -> Variants:
         """The variants of ``gm`` for another instance of the code it was traced from."""
         ctx = self._context(inputs, inner, renamed)
-        variants = run_pipeline(gm, ctx)
+        with compiling():
+            variants = run_pipeline(gm, ctx)
         self.rewritten.update(ctx.rewritten)
         record.instances += 1
         record.notes += [n for n in ctx.report if n not in record.notes and not n.startswith("fuse:")]

@@ -219,9 +219,23 @@ def watch_calls(model: torch.nn.Module, targets: dict[str, str]) -> list[Removab
     return [model.get_submodule(m).register_forward_pre_hook(_eager_call_hook(tuple(t))) for m, t in fqns.items()]
 
 
+_compiling: contextvars.ContextVar[bool] = contextvars.ContextVar("fxlora_compiling", default=False)
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """Module calls inside the block are the compiler's own (probes of a region it replaces),
+    not the model running outside the graphs."""
+    token = _compiling.set(True)
+    try:
+        yield
+    finally:
+        _compiling.reset(token)
+
+
 def _eager_call_hook(targets: tuple[str, ...]) -> Callable[..., None]:
     def hook(module: torch.nn.Module, args: tuple) -> None:
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not _compiling.get():
             selection = _selection.get()
             if selection is not None:
                 selection.eager.update(targets)
