@@ -6,9 +6,9 @@ options={...})`` with :func:`use_adapters` does the same through Dynamo directly
 """
 
 from fxlora.compiled import CompiledModel, compile
-from fxlora.errors import AdapterError, LoraNotRunError, QuantizationError
+from fxlora.errors import AdapterError, LoraNotRunError, QuantizationError, ShardingError
 from fxlora.runtime import use_adapters
 
 __version__ = "0.1.0"
 
-__all__ = ["AdapterError", "CompiledModel", "LoraNotRunError", "QuantizationError", "compile", "use_adapters"]
+__all__ = ["AdapterError", "CompiledModel", "LoraNotRunError", "QuantizationError", "ShardingError", "compile", "use_adapters"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fxlora.adapters import AdapterPool, experts, model_modules, placement, read_adapter
+from fxlora.adapters import AdapterPool, experts, model_modules, placement, read_adapter, sharding
 from fxlora.adapters.peft_format import AdapterSource
 from fxlora.adapters.quantization import check_quantized
 from fxlora.compiler.annotate import ModuleTree
@@ -143,7 +143,7 @@ class CompiledModel(torch.nn.Module):
     def load_adapter(self, name: str, source: AdapterSource) -> None:
         """Load an adapter into a free slot: graphs are not retraced. On any error nothing
         changes."""
-        self.pool.load(placement.resolve(read_adapter(name, source), self.model))
+        load(self.pool, self.model, name, source)
 
     def unload_adapter(self, name: str) -> None:
         self.pool.unload(name)
@@ -262,7 +262,7 @@ def compile(
         output_embedding=next((n for n, m in model.named_modules() if m is output_head), None),
     )
     for name, source in adapters.items():
-        pool.load(placement.resolve(read_adapter(name, source), model))
+        load(pool, model, name, source)
     modules = model_modules(model)
     quantized = check_quantized(model, pool, modules)  # before the pool compares weights it cannot read
     pool.register_modules(modules, complete=True)
@@ -288,6 +288,18 @@ def compile(
     log.info("%d adapters in %d target modules", len(adapters), len(pool.targets))
     runtime = dict(max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs)
     return CompiledModel(model, backend, compiled, runtime)
+
+
+def load(pool: AdapterPool, model: torch.nn.Module, name: str, source: AdapterSource) -> None:
+    """Read, place and load one adapter. On a tensor-parallel model every rank loads it or
+    none does: a rank that fails tells the others, which raise too."""
+    group = sharding.process_group(model)
+    try:
+        adapter = placement.resolve(read_adapter(name, source), model)
+    except Exception as e:  # noqa: BLE001 - whatever failed here, the other ranks must hear of it
+        sharding.agree(e, group)
+        raise
+    pool.load(adapter, group)
 
 
 def _check_experts_gates(model: torch.nn.Module, pool: AdapterPool) -> None:

@@ -23,3 +23,8 @@ class LoraNotRunError(RuntimeError):
 class NotServed(Exception):
     """A module (or set of modules) fxlora leaves to its base computation; the message says
     why. The passes catch it and report the reason in ``explain()``; it never reaches users."""
+
+
+class ShardingError(ValueError):
+    """The model is sharded (tensor parallelism) in a way fxlora cannot split LoRA factors
+    for, on a module LoRA targets; the message names the module and its placement."""

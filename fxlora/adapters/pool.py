@@ -20,8 +20,10 @@ import torch
 from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 
+from fxlora.adapters import sharding
 from fxlora.adapters.peft_format import LoraAdapter
-from fxlora.errors import AdapterError, NotServed
+from fxlora.adapters.sharding import Sharding
+from fxlora.errors import AdapterError, NotServed, ShardingError
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,10 @@ NO_ADAPTER = -1
 
 @dataclass(frozen=True, eq=False)
 class ModuleInfo:
-    """What the pool needs to know of a module that may carry LoRA."""
+    """What the pool needs to know of a module that may carry LoRA. Under tensor parallelism
+    the features are those this rank computes, and ``shard`` says which slice of the whole
+    module they are (:mod:`fxlora.adapters.sharding`); ``unshardable`` says why a sharded
+    module cannot carry LoRA, should it be targeted."""
 
     kind: Literal["linear", "embedding", "experts"]
     in_features: int  # for an embedding: num_embeddings
@@ -41,19 +46,45 @@ class ModuleInfo:
     experts: int = 0  # for "experts": a 3-D parameter of this many experts ...
     owner: torch.nn.Module | None = field(default=None, repr=False)  # ... held by this experts module
     parameter: str | None = None  # a linear over this 2-D parameter of the module (:meth:`over_parameter`)
+    shard: Sharding | None = None
+    unshardable: str | None = None
+
+    @property
+    def whole(self) -> tuple[int, int]:
+        """``(in, out)`` features of the whole module, which adapters are written for."""
+        s = self.shard
+        return (
+            s.size if s is not None and s.dim == "in" else self.in_features,
+            s.size if s is not None and s.dim == "out" else self.out_features,
+        )
 
     @staticmethod
     def of(module: torch.nn.Module) -> ModuleInfo | None:
         from transformers.pytorch_utils import Conv1D
 
         if isinstance(module, Conv1D):  # a linear whose weight is stored (in, out)
-            w = module.weight
-            return ModuleInfo("linear", w.shape[0], w.shape[1], w.dtype, w.device, None)
+            return ModuleInfo._linear(module.weight, out_dim=1, keep_weight=False)
         if isinstance(module, torch.nn.Linear):
-            return ModuleInfo("linear", module.in_features, module.out_features, module.weight.dtype, module.weight.device, module.weight)
+            return ModuleInfo._linear(module.weight, out_dim=0)
         if isinstance(module, torch.nn.Embedding):
-            return ModuleInfo("embedding", module.num_embeddings, module.embedding_dim, module.weight.dtype, module.weight.device, module.weight)
+            w = module.weight
+            n, d = sharding.local_tensor(w).shape
+            why = "LoRA on a tensor-parallel embedding is not served" if sharding.is_distributed(w) else None
+            return ModuleInfo("embedding", n, d, w.dtype, w.device, w, unshardable=why)
         return None
+
+    @staticmethod
+    def _linear(w: torch.Tensor, out_dim: int, keep_weight: bool = True, parameter: str | None = None) -> ModuleInfo:
+        shape = sharding.local_tensor(w).shape
+        shard, why = None, None
+        try:
+            shard = sharding.sharding_of(w, out_dim, 1 - out_dim)
+        except ShardingError as e:
+            why = str(e)
+        weight = w if keep_weight else None
+        return ModuleInfo(
+            "linear", shape[1 - out_dim], shape[out_dim], w.dtype, w.device, weight, parameter=parameter, shard=shard, unshardable=why
+        )
 
     @staticmethod
     def over_parameter(module: torch.nn.Module) -> ModuleInfo | None:
@@ -66,7 +97,7 @@ class ModuleInfo:
         if len(found) != 1:
             return None
         name, w = found[0]
-        return ModuleInfo("linear", w.shape[1], w.shape[0], w.dtype, w.device, w, parameter=name)
+        return ModuleInfo._linear(w, out_dim=0, parameter=name)
 
 
 def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
@@ -82,7 +113,8 @@ def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
         elif experts.is_experts(m):
             for p, w in experts.experts_parameters(m).items():
                 fin, fout = experts.in_out(m, w)
-                found[f"{name}.{p}"] = ModuleInfo("experts", fin, fout, w.dtype, w.device, w, w.shape[0], m)
+                why = "LoRA on tensor-parallel experts is not served" if sharding.is_distributed(w) else None
+                found[f"{name}.{p}"] = ModuleInfo("experts", fin, fout, w.dtype, w.device, w, w.shape[0], m, unshardable=why)
         elif (info := ModuleInfo.over_parameter(m)) is not None:
             found[name] = info
     return found
@@ -120,8 +152,9 @@ class PoolTarget:
             self.scaling[slot], self.rank[slot] = 0.0, 0
             return
         r = factors.rank
-        self.lora_a[slot, ..., :r, :].copy_(factors.a)  # an expert dimension of 1 broadcasts
-        self.lora_b[slot, ..., :r].copy_(factors.b)
+        a, b = (factors.a, factors.b) if self.info.shard is None else self.info.shard.factors(factors.a, factors.b)
+        self.lora_a[slot, ..., :r, :].copy_(a)  # an expert dimension of 1 broadcasts
+        self.lora_b[slot, ..., :r].copy_(b)
         self.scaling[slot], self.rank[slot] = factors.scaling, r
 
 
@@ -210,6 +243,11 @@ class AdapterPool:
 
     def _register_modules(self, modules: dict[str, ModuleInfo], complete: bool) -> None:
         new = {fqn: info for fqn, info in modules.items() if fqn not in self.modules}
+        for fqn, info in new.items():
+            if info.unshardable is not None and self.wants(fqn, info):
+                users = sorted(a.name for a in self.adapters.values() if fqn in a.modules)
+                by = f"adapter(s) {users}" if users else "target_modules"
+                raise ShardingError(f"module {fqn!r} is targeted ({by}), but {info.unshardable}: fxlora cannot split its LoRA")
         for adapter in self.adapters.values():
             for fqn in adapter.modules.keys() & new.keys():
                 self._check_module(adapter, fqn, new[fqn])
@@ -248,22 +286,26 @@ class AdapterPool:
         where = f"adapter {adapter.name!r} ({adapter.source}): module {fqn!r}"
         if f.kind != info.kind:
             raise AdapterError(f"{where}: the adapter has {f.kind} LoRA but the model's module is an {info.kind}")
+        fin, fout = info.whole
         if f.kind == "experts":
             # a per-expert dimension, or 1: one factor shared by every expert
             fits = f.a.shape[0] in (1, info.experts) and f.b.shape[0] in (1, info.experts)
-            want_a, want_b = (info.experts, f.rank, info.in_features), (info.experts, info.out_features, f.rank)
+            want_a, want_b = (info.experts, f.rank, fin), (info.experts, fout, f.rank)
             fits = fits and f.a.shape[1:] == want_a[1:] and f.b.shape[1:] == want_b[1:]
         else:
-            want_a, want_b = (f.rank, info.in_features), (info.out_features, f.rank)
+            want_a, want_b = (f.rank, fin), (fout, f.rank)
             fits = tuple(f.a.shape) == want_a and tuple(f.b.shape) == want_b
         if not fits:
             raise AdapterError(
                 f"{where}: shape mismatch: lora_A {tuple(f.a.shape)} and lora_B {tuple(f.b.shape)} do not fit the "
-                f"model's {info.kind} ({info.in_features} -> {info.out_features}), which needs {want_a} and {want_b}"
+                f"model's {info.kind} ({fin} -> {fout}), which needs {want_a} and {want_b}"
             )
         base = adapter.base_weights.get(fqn)
         if base is not None and info.weight is not None:
-            if base.shape != info.weight.shape or not torch.equal(base.to(info.weight), info.weight):
+            mine = sharding.local_tensor(info.weight)
+            if base.shape == info.weight.shape and info.shard is not None:
+                base = info.shard.local(base)
+            if base.shape != mine.shape or not torch.equal(base.to(mine), mine):
                 raise AdapterError(
                     f"{where}: the adapter carries its own base weights {tuple(base.shape)} that differ from the "
                     f"model's {tuple(info.weight.shape)}: replacing base weights is not supported"
@@ -289,12 +331,23 @@ class AdapterPool:
         return group
 
     # -- adapters ------------------------------------------------------------------------
-    def load(self, adapter: LoraAdapter) -> int:
-        """Copy ``adapter`` into a free slot; checks everything before writing anything."""
+    def load(self, adapter: LoraAdapter, group: object | None = None) -> int:
+        """Copy ``adapter`` into a free slot; checks everything before writing anything. With
+        the process ``group`` of a tensor-parallel model, every rank writes or none does."""
         with self._lock:
-            return self._load(adapter)
+            try:
+                slot = self._check_load(adapter)
+            except Exception as e:  # noqa: BLE001 - whatever failed here, the other ranks must hear of it
+                sharding.agree(e, group)
+                raise
+            sharding.agree(None, group)
+            self._write(slot, adapter)
+            self.adapters[adapter.name], self.slot_of[adapter.name] = adapter, slot
+        log.info("loaded adapter %r into slot %d", adapter.name, slot)
+        return slot
 
-    def _load(self, adapter: LoraAdapter) -> int:
+    def _check_load(self, adapter: LoraAdapter) -> int:
+        """The slot ``adapter`` would load into, after checking it fits."""
         name = adapter.name
         unresolved = [fqn for fqn, f in adapter.modules.items() if f.kind == "parameter"]
         if unresolved:
@@ -326,11 +379,7 @@ class AdapterPool:
                         f"adapter {name!r} ({adapter.source}): module {fqn!r} was not compiled as a LoRA target; "
                         "name it in target_modules when compiling"
                     )
-        slot = free[0]
-        self._write(slot, adapter)
-        self.adapters[name], self.slot_of[name] = adapter, slot
-        log.info("loaded adapter %r into slot %d", name, slot)
-        return slot
+        return free[0]
 
     def unload(self, name: str) -> None:
         """Take ``name`` out: calls that start later cannot name it. Its slot is zeroed now,

@@ -10,7 +10,8 @@ layout (:meth:`AdapterPool.join`); each member's users read its output from the 
 A block applied several times (a recurrent layer) makes one set per application, each the
 same group of the pool. Runs before ``lora_linear``, which takes the linears left over. A set
 is left alone, and reported, when the pool cannot join it or when a member's weight is
-computed after the first member's call. Calls of tensor-subclass weights (torchao's quantised
+computed after the first member's call (a parameter read, through casts or a DTensor's
+``to_local``, moves up). Calls of tensor-subclass weights (torchao's quantised
 weights) are ``lora_delta``'s.
 """
 
@@ -27,7 +28,7 @@ from fxlora.adapters import PoolTarget
 from fxlora.compiler.annotate import LINEAR
 from fxlora.compiler.batch_info import row_dim
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import base_calls, call_arg, meta_shape, meta_value, reads_wrapped_tensor
+from fxlora.compiler.graph_edit import base_calls, call_arg, meta_shape, meta_value, parameter_read, reads_wrapped_tensor
 from fxlora.compiler.lora_linear import linear_weight, lora_operands
 from fxlora.errors import NotServed
 
@@ -67,7 +68,8 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
     weights = [call_arg(n, 1, "weight") for _, n in members]
     biases = [call_arg(n, 2, "bias") for _, n in members]
     late = [a for a in weights + biases if isinstance(a, fx.Node) and position[a] > position[first]]
-    if any(a.op != "get_attr" for a in late):
+    reads = [parameter_read(a) for a in late]
+    if any(r is None for r in reads):
         ctx.note(f"not fused {', '.join(fqns)}: a weight is computed after the call of {fqns[0]}")
         return []
     try:
@@ -79,8 +81,10 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
     except NotServed as why:
         ctx.note(f"not fused {', '.join(fqns)}: {why}")
         return []
-    for a in late:  # a parameter read: safe to read earlier
-        first.prepend(a)
+    for read in reads:  # a parameter read (through casts, or a DTensor's local shard): safe earlier
+        for a in read:
+            if position[a] > position[first]:
+                first.prepend(a)
     graph = gm.graph
     with graph.inserting_before(first):
         lora, batch, _ = lora_operands(gm, ctx, x, group, rows, workspace=False)

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 # one over ``W`` as far as LoRA goes (PEFT adds the delta to ``W`` before the cast; fxlora adds
 # it to the output, which differs by rounding only).
 CASTS = {"type", "to", "float", "double", "half", "bfloat16"}
+# Under tensor parallelism a linear computes on its DTensor weight's local shard, which the
+# pool's factors are sliced to match (``fxlora.adapters.sharding``).
+LOCAL_SHARD = "to_local"
 
 
 def base_calls(
@@ -88,8 +91,9 @@ def module_calls(fqn: str, nodes: list[fx.Node]) -> list[list[fx.Node]]:
 
 
 def _parameter(node: Any) -> object:
-    """What names the parameter ``node`` reads, directly or through :data:`CASTS` (a graph
-    input, or an attribute of the graph module), or None for a tensor computed in the graph."""
+    """What names the parameter ``node`` reads, directly or through :data:`CASTS` and
+    :data:`LOCAL_SHARD` (a graph input, or an attribute of the graph module), or None for a
+    tensor computed in the graph."""
     node = _uncast(node)
     if isinstance(node, fx.Node) and node.op == "placeholder":
         return node
@@ -98,8 +102,21 @@ def _parameter(node: Any) -> object:
     return None
 
 
+def parameter_read(node: Any) -> list[fx.Node] | None:
+    """The nodes that read a parameter into ``node`` — the graph input or attribute, then
+    each cast (:data:`CASTS`, :data:`LOCAL_SHARD`) up to ``node`` — or None when ``node``
+    is a tensor computed in the graph. Such a read may move earlier in the graph."""
+    chain = []
+    while isinstance(node, fx.Node) and node.op == "call_method" and (node.target in CASTS or node.target == LOCAL_SHARD):
+        chain.append(node)
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")):
+        return None
+    return [node, *reversed(chain)]
+
+
 def _uncast(node: Any) -> Any:
-    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in CASTS:
+    while isinstance(node, fx.Node) and node.op == "call_method" and (node.target in CASTS or node.target == LOCAL_SHARD):
         node = node.args[0]
     return node
 

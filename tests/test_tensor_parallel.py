@@ -1,0 +1,164 @@
+"""Tensor parallelism on CPU: two gloo ranks under ``torch.distributed.run`` serve a model
+sharded with transformers' own plan (``DistributedConfig(tp_plan="auto")``), and every rank's
+logits and tokens equal the single-process fxlora run and the PEFT oracle.
+
+Each case saves a tiny model and PEFT adapters to a temporary directory, runs the same script
+in one process (the expectation) and on two ranks (``tests/tp_worker.py``), and compares.
+The ranks run as a subprocess with a hard time limit, in a process group of their own that
+the test ends whatever happens (``torch.distributed.run`` starts its workers in sessions of
+their own, and a rank that waits in a collective for one that failed waits for gloo's timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig
+from safetensors.torch import load_file, save_file
+
+import fxlora
+from fxlora.testing import RTOL, make_adapter, peft_model_with, reference_generate, reference_logits, tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+LIMIT_S = 300
+DENSE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def run_ranks(directory: Path, ranks: int = 2) -> list[tuple[dict[str, torch.Tensor], dict]]:
+    """Each rank's tensors and report; fails with the ranks' output if they did not finish."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(WORKER), str(directory)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=LIMIT_S)
+    except subprocess.TimeoutExpired:
+        output = ""
+    finally:
+        _end(proc)
+        for pid in _pids(directory):
+            _kill(pid)
+    if proc.returncode != 0:
+        pytest.fail(f"the ranks failed (exit {proc.returncode}):\n{output[-6000:]}")
+    return [(load_file(directory / f"rank{r}.safetensors"), json.loads((directory / f"rank{r}.json").read_text())) for r in range(ranks)]
+
+
+def _end(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _pids(directory: Path) -> list[int]:
+    """Workers that outlived their launcher: processes whose command line names ``directory``."""
+    found = []
+    for entry in Path("/proc").iterdir() if Path("/proc").exists() else []:
+        try:
+            if entry.name.isdigit() and str(directory) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def single_process(model, directory: Path, script: dict, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The worker's script in this process, unsharded."""
+    cm = fxlora.compile(
+        model,
+        {name: str(directory / name) for name in script["adapters"]},
+        max_loras=4,
+        max_rank=16,
+        target_modules=script["target_modules"],
+        max_batch_size=4,
+        max_len=32,
+    )
+    out = {}
+    with torch.no_grad():
+        out["first"] = cm(input_ids=ids, adapter_names=script["first"]).logits
+        cm.load_adapter("c", str(directory / "c"))
+        out["loaded"] = cm(input_ids=ids, adapter_names=script["loaded"]).logits
+        cm.unload_adapter("a")
+        out["unloaded"] = cm(input_ids=ids, adapter_names=script["unloaded"]).logits
+        out["generated"] = cm.generate(ids, adapter_names=script["generate"], max_new_tokens=script["max_new_tokens"])
+    return out
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def dense_case(tmp_path_factory):
+    """A Llama-shaped model: q/k/v, gate/up and the output head column-parallel, o_proj and
+    down_proj row-parallel; three adapters of different ranks and targets."""
+    directory = tmp_path_factory.mktemp("tp-dense")
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=5, intermediate_size=48)
+    model.save_pretrained(directory / "model")
+    configs = {
+        "a": LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+        "b": LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
+        "c": LoraConfig(r=6, lora_alpha=6, target_modules=[*DENSE, "lm_head"]),
+    }
+    for i, (name, config) in enumerate(configs.items()):
+        make_adapter(model, config, seed=10 + i, directory=str(directory / name), scale=0.3)
+    script = {
+        "distributed": {"tp_plan": "auto"},
+        "adapters": ["a", "b"],
+        "target_modules": [*DENSE, "lm_head"],
+        "first": ["a", None, "b", "a"],
+        "loaded": ["c", "b", None, "a"],
+        "unloaded": ["b", "c", "c", None],
+        "generate": ["c", None, "b", "c"],
+        "max_new_tokens": 5,
+    }
+    (directory / "script.json").write_text(json.dumps(script))
+    ids = torch.randint(3, 96, (4, 6), generator=torch.Generator().manual_seed(7))
+    save_file({"ids": ids}, directory / "inputs.safetensors")
+    expected = single_process(model, directory, script, ids)
+    peft = peft_model_with(model, {name: str(directory / name) for name in configs})
+    with torch.no_grad():
+        oracle = {key: reference_logits(model, peft, script[key], input_ids=ids) for key in ("first", "loaded", "unloaded")}
+    oracle["generated"] = reference_generate(model, peft, script["generate"], ids, None, 5, None, 0)
+    torch._dynamo.reset()
+    return run_ranks(directory), expected, oracle
+
+
+def test_mixed_batches_on_two_ranks_match_one_process_and_peft(dense_case):
+    ranks, expected, oracle = dense_case
+    for rank, (out, _) in enumerate(ranks):
+        for key in ("first", "loaded", "unloaded"):
+            assert close(out[key], expected[key]) < RTOL[torch.float32], (rank, key)
+            assert close(out[key], oracle[key]) < RTOL[torch.float32], (rank, key)
+
+
+def test_generate_on_two_ranks_matches_one_process_and_peft(dense_case):
+    ranks, expected, oracle = dense_case
+    for out, _ in ranks:
+        assert torch.equal(out["generated"], expected["generated"])
+        assert torch.equal(out["generated"][:, -5:], oracle["generated"])
+
+
+def test_a_load_one_rank_fails_changes_nothing_on_any_rank(dense_case):
+    ranks, _, _ = dense_case
+    (_, first), (_, second) = ranks
+    assert first["unchanged"] and second["unchanged"]
+    assert second["failed_load"].startswith("AdapterError") and "missing" in second["failed_load"]
+    assert first["failed_load"].startswith("AdapterError") and "rank 1 failed" in first["failed_load"]

@@ -1,0 +1,71 @@
+"""One rank of the tensor-parallel tests (``tests/test_tensor_parallel.py`` launches two of
+these with ``torch.distributed.run``, gloo on CPU).
+
+Loads the model saved in ``DIR/model`` sharded with transformers' own plan, compiles it with
+the adapters ``DIR/a`` and ``DIR/b``, and runs the script ``DIR/script.json`` names: mixed
+batches, a load, an unload, a load that fails on one rank only, and a ``generate``. Each
+rank writes what it saw to ``DIR/rank<N>.safetensors`` and ``DIR/rank<N>.json``.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py DIR
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+
+import fxlora
+
+
+def pool_state(cm: fxlora.CompiledModel) -> list[torch.Tensor]:
+    return [t.clone() for target in cm.pool.targets.values() for t in (target.lora_a, target.lora_b, target.scaling)]
+
+
+def main(directory: str) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    script = json.load(open(f"{directory}/script.json"))
+    inputs = load_file(f"{directory}/inputs.safetensors")
+    config = DistributedConfig(**script["distributed"])
+    model = AutoModelForCausalLM.from_pretrained(f"{directory}/model", distributed_config=config, dtype=torch.float32).eval()
+    cm = fxlora.compile(
+        model,
+        {name: f"{directory}/{name}" for name in script["adapters"]},
+        max_loras=4,
+        max_rank=16,
+        target_modules=script["target_modules"],
+        max_batch_size=4,
+        max_len=32,
+    )
+    out, report = {}, {}
+    with torch.no_grad():
+        out["first"] = cm(input_ids=inputs["ids"], adapter_names=script["first"]).logits
+        cm.load_adapter("c", f"{directory}/c")
+        out["loaded"] = cm(input_ids=inputs["ids"], adapter_names=script["loaded"]).logits
+        cm.unload_adapter("a")
+        out["unloaded"] = cm(input_ids=inputs["ids"], adapter_names=script["unloaded"]).logits
+        # a load whose adapter only rank 1 cannot read: no rank may change
+        before, names = pool_state(cm), cm.adapter_names
+        try:
+            cm.load_adapter("d", f"{directory}/c" if rank == 0 else f"{directory}/missing")
+            report["failed_load"] = "loaded"
+        except Exception as e:  # noqa: BLE001 - the test reads what was raised
+            report["failed_load"] = f"{type(e).__name__}: {e}"
+        report["unchanged"] = cm.adapter_names == names and all(torch.equal(x, y) for x, y in zip(before, pool_state(cm)))
+        out["generated"] = cm.generate(
+            inputs["ids"], adapter_names=script["generate"], max_new_tokens=script["max_new_tokens"]
+        )
+    save_file({k: v.contiguous() for k, v in out.items()}, f"{directory}/rank{rank}.safetensors")
+    json.dump(report, open(f"{directory}/rank{rank}.json", "w"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
