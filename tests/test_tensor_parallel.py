@@ -24,7 +24,7 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 import fxlora
-from fxlora.testing import RTOL, make_adapter, peft_model_with, reference_generate, reference_logits, tiny_model
+from fxlora.testing import RTOL, make_adapter, peft_model_with, reference_generate, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
@@ -104,25 +104,60 @@ def close(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
-@pytest.fixture(scope="module")
-def dense_case(tmp_path_factory):
-    """A Llama-shaped model: q/k/v, gate/up and the output head column-parallel, o_proj and
-    down_proj row-parallel; three adapters of different ranks and targets."""
-    directory = tmp_path_factory.mktemp("tp-dense")
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+CASES = {
+    # a Llama-shaped model: q/k/v, gate/up and the output head column-parallel, o_proj and
+    # down_proj row-parallel; adapters of different ranks and targets
+    "dense": dict(
+        family="llama",
+        adapters={
+            "a": LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+            "b": LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
+            "c": LoraConfig(r=6, lora_alpha=6, target_modules=[*DENSE, "lm_head"]),
+        },
+        target_modules=[*DENSE, "lm_head"],
+    ),
+    # a Qwen3-MoE-shaped model: the experts sharded over their intermediate features (gate_up's
+    # halves each split, down_proj split by input), the router replicated; PEFT's all-linear
+    # on it adapts the experts and the router as target_parameters
+    "moe": dict(
+        family="qwen3_moe",
+        adapters={
+            "a": LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+            "b": LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "o_proj"], target_parameters=EXPERTS),
+            "c": LoraConfig(r=6, lora_alpha=6, target_modules=["v_proj"], target_parameters=EXPERTS),
+        },
+        target_modules=None,
+    ),
+}
+
+
+def peft_rows(model, directory: Path, names: list[str | None], ids: torch.Tensor) -> torch.Tensor:
+    """Each row from PEFT with its own adapter alone (PEFT holds adapters of experts
+    parameters one at a time), or from the model for ``None``."""
+    out = None
+    for name in dict.fromkeys(names):
+        rows = [i for i, n in enumerate(names) if n == name]
+        runner = model if name is None else peft_model_with(model, {name: str(directory / name)})
+        logits = runner(input_ids=ids[rows]).logits
+        out = logits.new_empty((len(names), *logits.shape[1:])) if out is None else out
+        out[rows] = logits
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    spec = CASES[request.param]
+    directory = tmp_path_factory.mktemp(f"tp-{request.param}")
     torch._dynamo.reset()
-    model = tiny_model("llama", seed=5, intermediate_size=48)
+    model = tiny_model(spec["family"], seed=5, intermediate_size=48)
     model.save_pretrained(directory / "model")
-    configs = {
-        "a": LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
-        "b": LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
-        "c": LoraConfig(r=6, lora_alpha=6, target_modules=[*DENSE, "lm_head"]),
-    }
-    for i, (name, config) in enumerate(configs.items()):
+    for i, (name, config) in enumerate(spec["adapters"].items()):
         make_adapter(model, config, seed=10 + i, directory=str(directory / name), scale=0.3)
     script = {
         "distributed": {"tp_plan": "auto"},
         "adapters": ["a", "b"],
-        "target_modules": [*DENSE, "lm_head"],
+        "target_modules": spec["target_modules"],
         "first": ["a", None, "b", "a"],
         "loaded": ["c", "b", None, "a"],
         "unloaded": ["b", "c", "c", None],
@@ -133,31 +168,39 @@ def dense_case(tmp_path_factory):
     ids = torch.randint(3, 96, (4, 6), generator=torch.Generator().manual_seed(7))
     save_file({"ids": ids}, directory / "inputs.safetensors")
     expected = single_process(model, directory, script, ids)
-    peft = peft_model_with(model, {name: str(directory / name) for name in configs})
     with torch.no_grad():
-        oracle = {key: reference_logits(model, peft, script[key], input_ids=ids) for key in ("first", "loaded", "unloaded")}
+        oracle = {key: peft_rows(model, directory, script[key], ids) for key in ("first", "loaded", "unloaded")}
+    peft = peft_model_with(model, {n: str(directory / n) for n in ("b", "c")})
     oracle["generated"] = reference_generate(model, peft, script["generate"], ids, None, 5, None, 0)
     torch._dynamo.reset()
-    return run_ranks(directory), expected, oracle
+    return request.param, run_ranks(directory), expected, oracle
 
 
-def test_mixed_batches_on_two_ranks_match_one_process_and_peft(dense_case):
-    ranks, expected, oracle = dense_case
+def test_mixed_batches_on_two_ranks_match_one_process_and_peft(case):
+    _, ranks, expected, oracle = case
     for rank, (out, _) in enumerate(ranks):
         for key in ("first", "loaded", "unloaded"):
             assert close(out[key], expected[key]) < RTOL[torch.float32], (rank, key)
             assert close(out[key], oracle[key]) < RTOL[torch.float32], (rank, key)
 
 
-def test_generate_on_two_ranks_matches_one_process_and_peft(dense_case):
-    ranks, expected, oracle = dense_case
+def test_every_target_is_served_on_every_rank(case):
+    name, ranks, _, _ = case
+    for _, report in ranks:
+        assert report["not_served"] == []
+        assert "fxlora::lora_linear_fused" in report["ops"]  # q/k/v read one input, sharded or not
+        assert ("fxlora::moe_lora" in report["ops"]) == (name == "moe")
+
+
+def test_generate_on_two_ranks_matches_one_process_and_peft(case):
+    _, ranks, expected, oracle = case
     for out, _ in ranks:
         assert torch.equal(out["generated"], expected["generated"])
         assert torch.equal(out["generated"][:, -5:], oracle["generated"])
 
 
-def test_a_load_one_rank_fails_changes_nothing_on_any_rank(dense_case):
-    ranks, _, _ = dense_case
+def test_a_load_one_rank_fails_changes_nothing_on_any_rank(case):
+    name, ranks, _, _ = case
     (_, first), (_, second) = ranks
     assert first["unchanged"] and second["unchanged"]
     assert second["failed_load"].startswith("AdapterError") and "missing" in second["failed_load"]

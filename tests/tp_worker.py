@@ -59,6 +59,8 @@ def main(directory: str) -> None:
         except Exception as e:  # noqa: BLE001 - the test reads what was raised
             report["failed_load"] = f"{type(e).__name__}: {e}"
         report["unchanged"] = cm.adapter_names == names and all(torch.equal(x, y) for x, y in zip(before, pool_state(cm)))
+        report["not_served"] = sorted(set(cm.pool.targets) - set(cm.backend.rewritten))
+        report["ops"] = sorted(set(cm.backend.rewritten.values()))
         out["generated"] = cm.generate(
             inputs["ids"], adapter_names=script["generate"], max_new_tokens=script["max_new_tokens"]
         )

@@ -76,11 +76,7 @@ class ModuleInfo:
     @staticmethod
     def _linear(w: torch.Tensor, out_dim: int, keep_weight: bool = True, parameter: str | None = None) -> ModuleInfo:
         shape = sharding.local_tensor(w).shape
-        shard, why = None, None
-        try:
-            shard = sharding.sharding_of(w, out_dim, 1 - out_dim)
-        except ShardingError as e:
-            why = str(e)
+        shard, why = _sharding(w, out_dim, 1 - out_dim)
         weight = w if keep_weight else None
         return ModuleInfo(
             "linear", shape[1 - out_dim], shape[out_dim], w.dtype, w.device, weight, parameter=parameter, shard=shard, unshardable=why
@@ -112,12 +108,21 @@ def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
             found[name] = info
         elif experts.is_experts(m):
             for p, w in experts.experts_parameters(m).items():
-                fin, fout = experts.in_out(m, w)
-                why = "LoRA on tensor-parallel experts is not served" if sharding.is_distributed(w) else None
-                found[f"{name}.{p}"] = ModuleInfo("experts", fin, fout, w.dtype, w.device, w, w.shape[0], m, unshardable=why)
+                fin, fout = experts.in_out(m, sharding.local_tensor(w))
+                shard, why = _sharding(w, *((2, 1) if m.is_transposed else (1, 2)))
+                info = ModuleInfo("experts", fin, fout, w.dtype, w.device, w, w.shape[0], m, shard=shard, unshardable=why)
+                found[f"{name}.{p}"] = info
         elif (info := ModuleInfo.over_parameter(m)) is not None:
             found[name] = info
     return found
+
+
+def _sharding(weight: torch.Tensor, out_dim: int, in_dim: int) -> tuple[Sharding | None, str | None]:
+    """``(shard, None)``, or ``(None, why)`` for a layout whose LoRA fxlora cannot split."""
+    try:
+        return sharding.sharding_of(weight, out_dim, in_dim), None
+    except ShardingError as e:
+        return None, str(e)
 
 
 class PoolTarget:

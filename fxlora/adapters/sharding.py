@@ -12,6 +12,10 @@ shard. LoRA factors are split to match, as S-LoRA does:
   delta added onto the partial output rides the layer's own reduction;
 - replicated: whole.
 
+MoE experts sharded over their intermediate features (transformers' ``moe_tp_experts``) are
+the same two cases per expert: ``gate_up_proj`` column-parallel, each of its gate and up halves
+split alike (``_StridedShard``), ``down_proj`` row-parallel.
+
 Every rank validates an adapter on its own; :func:`agree` makes a load fail on every rank or
 on none.
 """
@@ -28,25 +32,32 @@ from fxlora.errors import ShardingError
 
 @dataclass(frozen=True)
 class Sharding:
-    """The slice ``[start, start + length)`` of a module's ``dim`` (its input or output
-    features, of ``size`` in all) that this rank computes; ``placement`` as DTensor names it."""
+    """Which part of a module's ``dim`` (its input or output features, of ``size`` in all)
+    this rank computes: the slice ``[start, start + length)`` of each of ``pieces`` equal
+    blocks (one, or the gate and up halves of a packed experts weight), in block order;
+    ``placement`` as DTensor names it."""
 
     dim: Literal["in", "out"]
     start: int
     length: int
     size: int
     placement: str
+    pieces: int = 1
 
     def factors(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's slices of ``a (..., r, in)`` and ``b (..., out, r)``."""
-        end = self.start + self.length
+        """This rank's parts of ``a (..., r, in)`` and ``b (..., out, r)``."""
         if self.dim == "in":
-            return a[..., self.start : end], b
-        return a, b[..., self.start : end, :]
+            return self._take(a, -1), b
+        return a, self._take(b, -2)
 
     def local(self, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a whole linear ``weight (out, in)``."""
-        return weight.narrow(0 if self.dim == "out" else 1, self.start, self.length)
+        """This rank's part of a whole linear ``weight (out, in)``."""
+        return self._take(weight, 0 if self.dim == "out" else 1)
+
+    def _take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        block = self.size // self.pieces
+        parts = [t.narrow(dim, i * block + self.start, self.length) for i in range(self.pieces)]
+        return parts[0] if self.pieces == 1 else torch.cat(parts, dim)
 
 
 def is_distributed(weight: object) -> bool:
@@ -64,13 +75,15 @@ def local_tensor(weight: torch.Tensor) -> torch.Tensor:
 
 def sharding_of(weight: torch.Tensor, out_dim: int, in_dim: int) -> Sharding | None:
     """How this rank holds ``weight`` (a DTensor) along its output (``out_dim``) and input
-    (``in_dim``) dimensions: ``None`` when replicated (or not a DTensor); raises
-    :class:`ShardingError` for any other layout (a mesh of several dimensions, a strided or
-    other placement, a shard of some other dimension), which the caller names the module for."""
+    (``in_dim``) dimensions: ``None`` when replicated (or not a DTensor). A plain shard, or a
+    strided one (a packed gate/up weight whose halves are each sharded) of either dimension
+    is read; any other layout (a mesh of several dimensions, a partial placement, a shard of
+    another dimension: experts split between ranks) raises :class:`ShardingError`, which the
+    caller names the module for."""
     if not is_distributed(weight):
         return None
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     placements = tuple(weight.placements)
     text = ", ".join(str(p) for p in placements)
@@ -79,13 +92,21 @@ def sharding_of(weight: torch.Tensor, out_dim: int, in_dim: int) -> Sharding | N
     (p,) = placements
     if isinstance(p, Replicate):
         return None
-    if type(p) is not Shard:  # _StridedShard (packed gate/up experts), Partial, ...
-        raise ShardingError(f"its weight's placement {text} is not a plain shard of its input or output features")
+    pieces = getattr(p, "split_factor", 1) if isinstance(p, _StridedShard) else 1
+    if type(p) not in (Shard, _StridedShard):  # Partial, ...
+        raise ShardingError(f"its weight's placement {text} is not a shard of its input or output features")
     dim = p.dim % weight.dim()
     if dim not in (out_dim, in_dim):
         raise ShardingError(f"its weight is sharded along dimension {dim} ({text}), not its input or output features")
-    local_shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, placements)
-    return Sharding("out" if dim == out_dim else "in", offset[dim], local_shape[dim], weight.shape[dim], text)
+    # each of the `pieces` blocks is split as torch.chunk splits it, the rank taking its chunk of each
+    size, ranks, rank = weight.shape[dim], weight.device_mesh.size(), weight.device_mesh.get_local_rank()
+    block = size // pieces
+    chunk = -(-block // ranks)
+    start = min(rank * chunk, block)
+    length = min(chunk, block - start)
+    if block * pieces != size or length * pieces != weight.to_local().shape[dim]:
+        raise ShardingError(f"its weight's placement {text} does not split it as fxlora reads the placement")
+    return Sharding("out" if dim == out_dim else "in", start, length, size, text, pieces)
 
 
 def process_group(model: torch.nn.Module) -> object | None:

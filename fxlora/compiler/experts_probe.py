@@ -9,7 +9,9 @@ otherwise). Two checks, on fixed random inputs (seeded, a few dozen values each)
   (``act_fn`` for experts without a gate), over values on both sides of any clamp; it picks
   the first of :func:`fxlora.adapters.experts.layouts`'s candidates that agrees.
 - :func:`prove_region`: the whole block — both projections, the gate, the routed sum — in the
-  traced dtypes, the op against the module's ``forward``, with every expert routed to.
+  traced dtypes, the op against the module's ``forward``, with every expert routed to. For
+  experts sharded between tensor-parallel ranks the op runs on the local shards and the
+  ranks' outputs are summed, as the module's own all-reduce sums them.
 
 Either raises :class:`NotServed` saying what differs, and the region stays as traced.
 """
@@ -22,6 +24,7 @@ import torch
 
 from fxlora.adapters import experts
 from fxlora.adapters.experts import ExpertsLayout
+from fxlora.adapters.sharding import local_tensor, process_group
 from fxlora.errors import NotServed
 from fxlora.ops.moe_lora import apply_gate, moe_routing_workspace, moe_workspace
 
@@ -88,9 +91,11 @@ def prove_region(
             raise NotServed(f"its forward ({name}.forward) does not run on a probe: {type(e).__name__}: {e}") from None
         try:
             got = torch.ops.fxlora.moe_lora.default(
-                hidden, index, weights, up, biases[0], down, biases[1], up_lora, down_lora, no_adapter, *scratch,
-                **dataclasses.asdict(layout),
+                hidden, index, weights, local_tensor(up), biases[0], local_tensor(down), biases[1], up_lora, down_lora,
+                no_adapter, *scratch, **dataclasses.asdict(layout),
             )  # fmt: skip
+            if (group := process_group(module)) is not None:  # each rank computed its part of the sum
+                torch.distributed.all_reduce(got, group=group)
         except RuntimeError as e:  # e.g. weights whose shapes the layout reads the wrong way round
             raise NotServed(
                 f"fxlora::moe_lora with the layout read from it ({_describe(layout)}) does not run on a probe: {e}"

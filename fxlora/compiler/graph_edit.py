@@ -196,6 +196,27 @@ def module_region(gm: fx.GraphModule, owner: str) -> list[fx.Node]:
     return [n for n in region if n not in sizes]
 
 
+def is_collective(node: fx.Node) -> bool:
+    """A torch.distributed functional collective, or the wait for one, in a traced graph."""
+    name = getattr(node.target, "_qualified_op_name", None)  # an op packet
+    if name is None and isinstance(node.target, torch._ops.OpOverload):
+        name = node.target.name()
+    return node.op == "call_function" and isinstance(name, str) and name.split("::")[0] in ("_c10d_functional", "c10d_functional")
+
+
+def split_reduction(region: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """``region`` as ``(compute, reduction)``: a tensor-parallel module's forward ends with
+    the collective that sums the ranks' partial outputs (and a copy of its result back into
+    the tensor it reduced); a LoRA op that replaces the computation keeps that reduction.
+    Raises :class:`NotServed` when the region computes anything after its first collective."""
+    first = next((i for i, n in enumerate(region) if is_collective(n)), len(region))
+    compute, reduction = region[:first], region[first:]
+    for n in reduction:
+        if not (is_collective(n) or (n.op == "call_method" and n.target == "copy_")):
+            raise NotServed(f"its traced region computes after its collective ({n.target})")
+    return compute, reduction
+
+
 def region_outputs(region: list[fx.Node]) -> list[fx.Node]:
     """The nodes of ``region`` that a node outside it reads."""
     inside = set(region)

@@ -13,6 +13,11 @@ is the one whose gate computes as the module's own (:mod:`fxlora.compiler.expert
 handed to the op by name; before the region is touched, the op with no adapter is run
 against the module's ``forward`` on a probe, since rows without an adapter run the op too.
 A module whose layout, probe or region the op cannot serve is left alone and reported.
+
+Under tensor parallelism (experts sharded over their intermediate features) the region reads
+its parameters' local shards and ends with the all-reduce of the ranks' partial outputs: the
+op replaces the computation between them, on the shards, and the all-reduce then sums its
+output, the LoRA deltas with it (:mod:`fxlora.adapters.sharding`).
 """
 
 from __future__ import annotations
@@ -28,13 +33,16 @@ from fxlora.compiler.batch_info import batch_info_for, row_dim
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.experts_probe import choose_layout, prove_region
 from fxlora.compiler.graph_edit import (
+    LOCAL_SHARD,
     fake_value,
     input_values,
     meta_value,
     module_region,
+    parameter_read,
     pool_nodes,
     region_inputs,
     region_outputs,
+    split_reduction,
 )
 from fxlora.errors import NotServed
 from fxlora.ops.moe_lora import moe_routing_workspace, moe_workspace
@@ -65,6 +73,10 @@ def lora_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.Node], values) -> None:
     module = next(iter(targets.values())).info.owner
     layout = choose_layout(module)
+    # under tensor parallelism: the parameters' local shards stay (the op reads them) and so
+    # does the reduction of the ranks' partial outputs, which then carries the op's output
+    region = [n for n in region if not (n.op == "call_method" and n.target == LOCAL_SHARD and parameter_read(n))]
+    region, _ = split_reduction(region)
     outputs = region_outputs(region)
     if len(outputs) != 1:
         raise NotServed(f"its traced region has {len(outputs)} outputs, not one")
@@ -113,7 +125,7 @@ def _match_inputs(
     wanted = {"up": params[up_name], "down": params["down_proj"]}
     if module.has_bias:
         wanted.update(up_bias=getattr(module, f"{up_name}_bias"), down_bias=module.down_proj_bias)
-    by_tensor = {id(v): n for n, v in values.items() if n in external}
+    by_tensor = {id(values[read[0]]): n for n in external if (read := parameter_read(n)) and read[0] in values}
     found = {k: by_tensor.get(id(v)) for k, v in wanted.items()}
     missing = [k for k, n in found.items() if n is None]
     if missing:
