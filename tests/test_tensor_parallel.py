@@ -130,6 +130,9 @@ CASES = {
         target_modules=None,
     ),
 }
+# the same MoE model with its experts split between the ranks (expert parallelism), the rest
+# tensor-parallel as above
+CASES["moe-ep"] = dict(CASES["moe"], distributed={"tp_size": 2, "ep_size": 2})
 
 
 def peft_rows(model, directory: Path, names: list[str | None], ids: torch.Tensor) -> torch.Tensor:
@@ -154,8 +157,9 @@ def case(request, tmp_path_factory):
     model.save_pretrained(directory / "model")
     for i, (name, config) in enumerate(spec["adapters"].items()):
         make_adapter(model, config, seed=10 + i, directory=str(directory / name), scale=0.3)
+    make_adapter(model, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), seed=9, directory=str(directory / "e"))
     script = {
-        "distributed": {"tp_plan": "auto"},
+        "distributed": spec.get("distributed", {"tp_plan": "auto"}),
         "adapters": ["a", "b"],
         "target_modules": spec["target_modules"],
         "first": ["a", None, "b", "a"],
@@ -189,7 +193,7 @@ def test_every_target_is_served_on_every_rank(case):
     for _, report in ranks:
         assert report["not_served"] == []
         assert "fxlora::lora_linear_fused" in report["ops"]  # q/k/v read one input, sharded or not
-        assert ("fxlora::moe_lora" in report["ops"]) == (name == "moe")
+        assert ("fxlora::moe_lora" in report["ops"]) == name.startswith("moe")
 
 
 def test_generate_on_two_ranks_matches_one_process_and_peft(case):
@@ -205,3 +209,10 @@ def test_a_load_one_rank_fails_changes_nothing_on_any_rank(case):
     assert first["unchanged"] and second["unchanged"]
     assert second["failed_load"].startswith("AdapterError") and "missing" in second["failed_load"]
     assert first["failed_load"].startswith("AdapterError") and "rank 1 failed" in first["failed_load"]
+
+
+def test_an_adapter_on_a_sharded_embedding_is_refused_naming_it(case):
+    _, ranks, _, _ = case
+    for _, report in ranks:
+        assert report["embedding"].startswith("ShardingError: module 'model.embed_tokens' is targeted")
+        assert "Shard(dim=0)" in report["embedding"] and "tensor-parallel embedding" in report["embedding"]

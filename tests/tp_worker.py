@@ -3,7 +3,8 @@ these with ``torch.distributed.run``, gloo on CPU).
 
 Loads the model saved in ``DIR/model`` sharded with transformers' own plan, compiles it with
 the adapters ``DIR/a`` and ``DIR/b``, and runs the script ``DIR/script.json`` names: mixed
-batches, a load, an unload, a load that fails on one rank only, and a ``generate``. Each
+batches, a load, an unload, a load that fails on one rank only, a ``generate``, and a compile
+with an adapter on the (vocabulary-parallel) embedding. Each
 rank writes what it saw to ``DIR/rank<N>.safetensors`` and ``DIR/rank<N>.json``.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py DIR
@@ -64,6 +65,12 @@ def main(directory: str) -> None:
         out["generated"] = cm.generate(
             inputs["ids"], adapter_names=script["generate"], max_new_tokens=script["max_new_tokens"]
         )
+    # an adapter on the vocabulary-parallel embedding: refused on every rank, naming it
+    try:
+        fxlora.compile(model, {"e": f"{directory}/e"}, max_loras=2, max_rank=16)
+        report["embedding"] = "compiled"
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        report["embedding"] = f"{type(e).__name__}: {e}"
     save_file({k: v.contiguous() for k, v in out.items()}, f"{directory}/rank{rank}.safetensors")
     json.dump(report, open(f"{directory}/rank{rank}.json", "w"))
     dist.destroy_process_group()

@@ -43,11 +43,16 @@ class ModuleInfo:
     dtype: torch.dtype
     device: torch.device
     weight: torch.Tensor | None = field(default=None, repr=False)
-    experts: int = 0  # for "experts": a 3-D parameter of this many experts ...
+    experts: int = 0  # for "experts": a 3-D parameter of this many experts (on this rank) ...
     owner: torch.nn.Module | None = field(default=None, repr=False)  # ... held by this experts module
     parameter: str | None = None  # a linear over this 2-D parameter of the module (:meth:`over_parameter`)
     shard: Sharding | None = None
     unshardable: str | None = None
+
+    @property
+    def all_experts(self) -> int:
+        """How many experts the whole module has; an expert-parallel rank holds ``experts``."""
+        return self.shard.size if self.shard is not None and self.shard.dim == "experts" else self.experts
 
     @property
     def whole(self) -> tuple[int, int]:
@@ -69,7 +74,9 @@ class ModuleInfo:
         if isinstance(module, torch.nn.Embedding):
             w = module.weight
             n, d = sharding.local_tensor(w).shape
-            why = "LoRA on a tensor-parallel embedding is not served" if sharding.is_distributed(w) else None
+            why = None
+            if sharding.is_distributed(w):
+                why = f"its weight is a DTensor ({', '.join(map(repr, w.placements))}), and LoRA on a tensor-parallel embedding is not served"
             return ModuleInfo("embedding", n, d, w.dtype, w.device, w, unshardable=why)
         return None
 
@@ -108,19 +115,20 @@ def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
             found[name] = info
         elif experts.is_experts(m):
             for p, w in experts.experts_parameters(m).items():
-                fin, fout = experts.in_out(m, sharding.local_tensor(w))
-                shard, why = _sharding(w, *((2, 1) if m.is_transposed else (1, 2)))
-                info = ModuleInfo("experts", fin, fout, w.dtype, w.device, w, w.shape[0], m, shard=shard, unshardable=why)
+                local = sharding.local_tensor(w)
+                fin, fout = experts.in_out(m, local)
+                shard, why = _sharding(w, *((2, 1) if m.is_transposed else (1, 2)), experts_dim=0)
+                info = ModuleInfo("experts", fin, fout, w.dtype, w.device, w, local.shape[0], m, shard=shard, unshardable=why)
                 found[f"{name}.{p}"] = info
         elif (info := ModuleInfo.over_parameter(m)) is not None:
             found[name] = info
     return found
 
 
-def _sharding(weight: torch.Tensor, out_dim: int, in_dim: int) -> tuple[Sharding | None, str | None]:
+def _sharding(weight: torch.Tensor, out_dim: int, in_dim: int, experts_dim: int | None = None) -> tuple[Sharding | None, str | None]:
     """``(shard, None)``, or ``(None, why)`` for a layout whose LoRA fxlora cannot split."""
     try:
-        return sharding.sharding_of(weight, out_dim, in_dim), None
+        return sharding.sharding_of(weight, out_dim, in_dim, experts_dim), None
     except ShardingError as e:
         return None, str(e)
 
@@ -294,8 +302,8 @@ class AdapterPool:
         fin, fout = info.whole
         if f.kind == "experts":
             # a per-expert dimension, or 1: one factor shared by every expert
-            fits = f.a.shape[0] in (1, info.experts) and f.b.shape[0] in (1, info.experts)
-            want_a, want_b = (info.experts, f.rank, fin), (info.experts, fout, f.rank)
+            fits = f.a.shape[0] in (1, info.all_experts) and f.b.shape[0] in (1, info.all_experts)
+            want_a, want_b = (info.all_experts, f.rank, fin), (info.all_experts, fout, f.rank)
             fits = fits and f.a.shape[1:] == want_a[1:] and f.b.shape[1:] == want_b[1:]
         else:
             want_a, want_b = (f.rank, fin), (fout, f.rank)

@@ -14,7 +14,9 @@ shard. LoRA factors are split to match, as S-LoRA does:
 
 MoE experts sharded over their intermediate features (transformers' ``moe_tp_experts``) are
 the same two cases per expert: ``gate_up_proj`` column-parallel, each of its gate and up halves
-split alike (``_StridedShard``), ``down_proj`` row-parallel.
+split alike (``_StridedShard``), ``down_proj`` row-parallel. Experts split between ranks
+(expert parallelism, ``ep_size``: each rank holds whole experts, and the module's all-reduce
+sums what each rank's experts computed) keep those experts' factors.
 
 Every rank validates an adapter on its own; :func:`agree` makes a load fail on every rank or
 on none.
@@ -37,7 +39,7 @@ class Sharding:
     blocks (one, or the gate and up halves of a packed experts weight), in block order;
     ``placement`` as DTensor names it."""
 
-    dim: Literal["in", "out"]
+    dim: Literal["in", "out", "experts"]
     start: int
     length: int
     size: int
@@ -45,7 +47,10 @@ class Sharding:
     pieces: int = 1
 
     def factors(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's parts of ``a (..., r, in)`` and ``b (..., out, r)``."""
+        """This rank's parts of ``a ([experts,] r, in)`` and ``b ([experts,] out, r)``; an
+        experts dimension of 1 (one factor shared by every expert) is every rank's."""
+        if self.dim == "experts":
+            return tuple(t if t.shape[0] == 1 else self._take(t, 0) for t in (a, b))
         if self.dim == "in":
             return self._take(a, -1), b
         return a, self._take(b, -2)
@@ -73,20 +78,20 @@ def local_tensor(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if is_distributed(weight) else weight
 
 
-def sharding_of(weight: torch.Tensor, out_dim: int, in_dim: int) -> Sharding | None:
+def sharding_of(weight: torch.Tensor, out_dim: int, in_dim: int, experts_dim: int | None = None) -> Sharding | None:
     """How this rank holds ``weight`` (a DTensor) along its output (``out_dim``) and input
     (``in_dim``) dimensions: ``None`` when replicated (or not a DTensor). A plain shard, or a
-    strided one (a packed gate/up weight whose halves are each sharded) of either dimension
-    is read; any other layout (a mesh of several dimensions, a partial placement, a shard of
-    another dimension: experts split between ranks) raises :class:`ShardingError`, which the
-    caller names the module for."""
+    strided one (a packed gate/up weight whose halves are each sharded) of either dimension,
+    or a plain shard of an experts weight's ``experts_dim`` (expert parallelism), is read; any
+    other layout (a mesh of several dimensions, a partial placement, a shard of another
+    dimension) raises :class:`ShardingError`, which the caller names the module for."""
     if not is_distributed(weight):
         return None
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     placements = tuple(weight.placements)
-    text = ", ".join(str(p) for p in placements)
+    text = ", ".join(repr(p) for p in placements)
     if weight.device_mesh.ndim != 1:
         raise ShardingError(f"its weight is laid out over a {weight.device_mesh.ndim}-D device mesh ({text})")
     (p,) = placements
@@ -96,7 +101,11 @@ def sharding_of(weight: torch.Tensor, out_dim: int, in_dim: int) -> Sharding | N
     if type(p) not in (Shard, _StridedShard):  # Partial, ...
         raise ShardingError(f"its weight's placement {text} is not a shard of its input or output features")
     dim = p.dim % weight.dim()
-    if dim not in (out_dim, in_dim):
+    if dim == experts_dim and pieces == 1:
+        kind = "experts"
+    elif dim in (out_dim, in_dim):
+        kind = "out" if dim == out_dim else "in"
+    else:
         raise ShardingError(f"its weight is sharded along dimension {dim} ({text}), not its input or output features")
     # each of the `pieces` blocks is split as torch.chunk splits it, the rank taking its chunk of each
     size, ranks, rank = weight.shape[dim], weight.device_mesh.size(), weight.device_mesh.get_local_rank()
@@ -106,7 +115,7 @@ def sharding_of(weight: torch.Tensor, out_dim: int, in_dim: int) -> Sharding | N
     length = min(chunk, block - start)
     if block * pieces != size or length * pieces != weight.to_local().shape[dim]:
         raise ShardingError(f"its weight's placement {text} does not split it as fxlora reads the placement")
-    return Sharding("out" if dim == out_dim else "in", start, length, size, text, pieces)
+    return Sharding(kind, start, length, size, text, pieces)
 
 
 def process_group(model: torch.nn.Module) -> object | None:

@@ -26,7 +26,7 @@ from fxlora.adapters import experts
 from fxlora.adapters.experts import ExpertsLayout
 from fxlora.adapters.sharding import local_tensor, process_group
 from fxlora.errors import NotServed
-from fxlora.ops.moe_lora import apply_gate, moe_routing_workspace, moe_workspace
+from fxlora.ops.moe_lora import apply_gate, local_routing, moe_routing_workspace, moe_workspace
 
 # Relative error allowed between the op and the module's forward on the probe, per dtype:
 # the two round in a different order (grouped vs per-expert GEMMs), nothing more. A wrong
@@ -61,10 +61,12 @@ def prove_region(
     traced: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     up_lora: list[torch.Tensor],
     down_lora: list[torch.Tensor],
+    mine: tuple[int, int] | None = None,
 ) -> None:
     """Raise :class:`NotServed` unless ``fxlora::moe_lora`` with ``layout`` and no adapter
     gives the module's ``forward`` output on a probe shaped as the ``traced`` (fake) hidden
-    states, top-k index and top-k weights."""
+    states, top-k index and top-k weights. ``mine``: the first of this rank's experts and
+    their count, when experts are split between ranks."""
     hidden_val, index_val, weights_val = traced
     params = experts.experts_parameters(module)
     up_name = next(n for n in params if n in experts.UP_PARAMETERS)
@@ -90,8 +92,9 @@ def prove_region(
         except Exception as e:  # noqa: BLE001 - whatever the module's code raises, it cannot be checked
             raise NotServed(f"its forward ({name}.forward) does not run on a probe: {type(e).__name__}: {e}") from None
         try:
+            routes = (index, weights) if mine is None else local_routing(index, weights, *mine)
             got = torch.ops.fxlora.moe_lora.default(
-                hidden, index, weights, local_tensor(up), biases[0], local_tensor(down), biases[1], up_lora, down_lora,
+                hidden, *routes, local_tensor(up), biases[0], local_tensor(down), biases[1], up_lora, down_lora,
                 no_adapter, *scratch, **dataclasses.asdict(layout),
             )  # fmt: skip
             if (group := process_group(module)) is not None:  # each rank computed its part of the sum

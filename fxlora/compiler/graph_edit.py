@@ -206,13 +206,14 @@ def is_collective(node: fx.Node) -> bool:
 
 def split_reduction(region: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     """``region`` as ``(compute, reduction)``: a tensor-parallel module's forward ends with
-    the collective that sums the ranks' partial outputs (and a copy of its result back into
-    the tensor it reduced); a LoRA op that replaces the computation keeps that reduction.
+    the collective that sums the ranks' partial outputs (a copy of its result back into the
+    tensor it reduced, a dtype cast); a LoRA op that replaces the computation keeps that
+    reduction.
     Raises :class:`NotServed` when the region computes anything after its first collective."""
     first = next((i for i, n in enumerate(region) if is_collective(n)), len(region))
     compute, reduction = region[:first], region[first:]
     for n in reduction:
-        if not (is_collective(n) or (n.op == "call_method" and n.target == "copy_")):
+        if not (is_collective(n) or (n.op == "call_method" and (n.target == "copy_" or n.target in CASTS))):
             raise NotServed(f"its traced region computes after its collective ({n.target})")
     return compute, reduction
 

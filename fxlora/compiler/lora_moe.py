@@ -17,12 +17,15 @@ A module whose layout, probe or region the op cannot serve is left alone and rep
 Under tensor parallelism (experts sharded over their intermediate features) the region reads
 its parameters' local shards and ends with the all-reduce of the ranks' partial outputs: the
 op replaces the computation between them, on the shards, and the all-reduce then sums its
-output, the LoRA deltas with it (:mod:`fxlora.adapters.sharding`).
+output, the LoRA deltas with it (:mod:`fxlora.adapters.sharding`). With experts split between
+ranks (expert parallelism) the op runs this rank's experts on the routes to them
+(``local_routing``); the all-reduce adds the other ranks' experts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import defaultdict
 
 import torch
@@ -45,7 +48,7 @@ from fxlora.compiler.graph_edit import (
     split_reduction,
 )
 from fxlora.errors import NotServed
-from fxlora.ops.moe_lora import moe_routing_workspace, moe_workspace
+from fxlora.ops.moe_lora import local_routing, moe_routing_workspace, moe_workspace
 
 OP = "fxlora::moe_lora"
 
@@ -83,9 +86,17 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
     hidden, top_k_index, top_k_weights, found, up_name = _match_inputs(region, module, values)
     rows = row_dim(gm, ctx, hidden, feature_dims=1)
     bundles = [_bundle(targets.get(n)) for n in (up_name, "down_proj")]
-    prove_region(module, layout, tuple(meta_value(n) for n in (hidden, top_k_index, top_k_weights)), *bundles)
+    shard = next(iter(targets.values())).info.shard
+    mine = (shard.start, shard.length) if shard is not None and shard.dim == "experts" else None
+    prove_region(module, layout, tuple(meta_value(n) for n in (hidden, top_k_index, top_k_weights)), *bundles, mine)
     output = outputs[0]
     with gm.graph.inserting_before(output.next):
+        if mine is not None:  # this rank's experts only, as the module routes before its all-reduce
+            routes = gm.graph.call_function(local_routing, (top_k_index, top_k_weights, *mine))
+            fake_value(routes, lambda i, w=meta_value(top_k_weights): local_routing(i, w, *mine), top_k_index)
+            top_k_index, top_k_weights = (gm.graph.call_function(operator.getitem, (routes, i)) for i in range(2))
+            for i, node in enumerate((top_k_index, top_k_weights)):
+                node.meta["example_value"] = routes.meta["example_value"][i]
         up_lora, down_lora = (pool_nodes(gm, targets[n]) if n in targets else [] for n in (up_name, "down_proj"))
         token_slot = batch_info_for(gm, ctx, hidden, 1, rows)[0]
         pool_a = (up_lora or down_lora)[0]

@@ -93,6 +93,17 @@ def moe_routing_workspace(top_k_index: torch.Tensor, *, device=None) -> torch.Te
     return torch.empty((4, top_k_index.numel()), dtype=torch.int64, device=device or top_k_index.device)
 
 
+def local_routing(
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, first: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes for a rank holding experts ``first .. first + count - 1`` of the model's
+    (expert parallelism): theirs renumbered from 0, every other route sent to expert 0 with
+    weight 0, so it adds nothing. Shapes follow the inputs', whatever the routing."""
+    local = top_k_index - first
+    mine = (local >= 0) & (local < count)
+    return torch.where(mine, local, 0), torch.where(mine, top_k_weights, 0.0)
+
+
 
 
 @torch.library.custom_op("fxlora::moe_lora", mutates_args=("workspace", "routing"))
