@@ -280,6 +280,8 @@ def compile(
     backend = Backend(pool, modules=ModuleTree(model), inner=inner)
     # a call of a target outside the compiled graphs is seen, so one the model makes nowhere needs no LoRA
     watch_calls(model, {fqn: t.module for fqn, t in pool.targets.items()})
+    if (group := sharding.process_group(model)) is not None:
+        backend.notes.append(sharding.describe(group, [t.info.shard for t in pool.targets.values()]))
     if quantized is not None:
         backend.notes.append(quantized.describe())
         log.info("%s", quantized.describe())

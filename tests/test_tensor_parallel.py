@@ -194,6 +194,7 @@ def test_every_target_is_served_on_every_rank(case):
         assert report["not_served"] == []
         assert "fxlora::lora_linear_fused" in report["ops"]  # q/k/v read one input, sharded or not
         assert ("fxlora::moe_lora" in report["ops"]) == name.startswith("moe")
+        assert "note: tensor parallel: rank" in report["explain"] and "Not served:\n  nothing" in report["explain"]
 
 
 def test_generate_on_two_ranks_matches_one_process_and_peft(case):

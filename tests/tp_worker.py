@@ -62,6 +62,7 @@ def main(directory: str) -> None:
         report["unchanged"] = cm.adapter_names == names and all(torch.equal(x, y) for x, y in zip(before, pool_state(cm)))
         report["not_served"] = sorted(set(cm.pool.targets) - set(cm.backend.rewritten))
         report["ops"] = sorted(set(cm.backend.rewritten.values()))
+        report["explain"] = cm.explain()
         out["generated"] = cm.generate(
             inputs["ids"], adapter_names=script["generate"], max_new_tokens=script["max_new_tokens"]
         )

@@ -127,6 +127,18 @@ def process_group(model: torch.nn.Module) -> object | None:
     return None
 
 
+def describe(group: object, shards: list[Sharding | None]) -> str:
+    """One line for ``explain()``: this rank, and how many of the pool's targets (``shards``,
+    one per target) it holds a part of."""
+    import torch.distributed as dist
+
+    parts = sum(s is not None for s in shards)
+    return (
+        f"tensor parallel: rank {dist.get_rank(group)} of {dist.get_world_size(group)}; the pool holds this rank's part "
+        f"of the LoRA of {parts} sharded target(s) and the whole LoRA of {len(shards) - parts} replicated one(s)"
+    )
+
+
 def agree(error: Exception | None, group: object | None) -> None:
     """Make one outcome of all ranks of ``group``: raise on every rank when any rank had an
     ``error`` (its own where it had one, else one naming the first failing rank and its
