@@ -217,3 +217,4 @@ def test_an_adapter_on_a_sharded_embedding_is_refused_naming_it(case):
     for _, report in ranks:
         assert report["embedding"].startswith("ShardingError: module 'model.embed_tokens' is targeted")
         assert "Shard(dim=0)" in report["embedding"] and "tensor-parallel embedding" in report["embedding"]
+        assert "tp_plan entry" in report["embedding"] and "embedding_rowwise" in report["embedding"]

@@ -10,6 +10,7 @@ directly and never need a retrace or recapture.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -122,6 +123,9 @@ def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
                 found[f"{name}.{p}"] = info
         elif (info := ModuleInfo.over_parameter(m)) is not None:
             found[name] = info
+    for fqn, info in found.items():
+        if info.unshardable is not None and (entry := sharding.plan_entry(model, fqn)) is not None:
+            found[fqn] = dataclasses.replace(info, unshardable=f"{info.unshardable} (its tp_plan entry {entry})")
     return found
 
 

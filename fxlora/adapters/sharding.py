@@ -24,6 +24,7 @@ on none.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -116,6 +117,17 @@ def sharding_of(weight: torch.Tensor, out_dim: int, in_dim: int, experts_dim: in
     if block * pieces != size or length * pieces != weight.to_local().shape[dim]:
         raise ShardingError(f"its weight's placement {text} does not split it as fxlora reads the placement")
     return Sharding(kind, start, length, size, text, pieces)
+
+
+def plan_entry(model: torch.nn.Module, fqn: str) -> str | None:
+    """The entry of ``model``'s tensor-parallel plan that lays out module ``fqn`` (its
+    parameters too), as ``'key': 'style'``; None when none names it."""
+    plan = getattr(model, "tp_plan", None) or {}
+    names = (fqn, re.sub(r"\.\d+(\.|$)", r".*\1", fqn))  # the plan writes layer numbers as *
+    for key, style in plan.items():
+        if any(n == key or n.endswith("." + key) or key.startswith(n + ".") for n in names):
+            return f"{key!r}: {style!r}"
+    return None
 
 
 def process_group(model: torch.nn.Module) -> object | None:
