@@ -4,7 +4,7 @@ these with ``torch.distributed.run``, gloo on CPU).
 Loads the model saved in ``DIR/model`` sharded with transformers' own plan, compiles it with
 the adapters ``DIR/a`` and ``DIR/b``, and runs the script ``DIR/script.json`` names: mixed
 batches, a load, an unload, a load that fails on one rank only, a ``generate``, and a compile
-with an adapter on the (vocabulary-parallel) embedding. Each
+with an adapter on the embedding. Each
 rank writes what it saw to ``DIR/rank<N>.safetensors`` and ``DIR/rank<N>.json``.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py DIR
@@ -13,6 +13,7 @@ rank writes what it saw to ``DIR/rank<N>.safetensors`` and ``DIR/rank<N>.json``.
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import sys
 
@@ -29,12 +30,20 @@ def pool_state(cm: fxlora.CompiledModel) -> list[torch.Tensor]:
     return [t.clone() for target in cm.pool.targets.values() for t in (target.lora_a, target.lora_b, target.scaling)]
 
 
+def distributed_config(options: dict) -> DistributedConfig:
+    """``DistributedConfig(**options)``; before transformers 5.21, which has no ``ep_size``,
+    expert parallelism over the tensor-parallel ranks is ``enable_expert_parallel``."""
+    if "ep_size" in options and "ep_size" not in inspect.signature(DistributedConfig).parameters:
+        return DistributedConfig(tp_size=options["tp_size"], enable_expert_parallel=True)
+    return DistributedConfig(**options)
+
+
 def main(directory: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     script = json.load(open(f"{directory}/script.json"))
     inputs = load_file(f"{directory}/inputs.safetensors")
-    config = DistributedConfig(**script["distributed"])
+    config = distributed_config(script["distributed"])
     model = AutoModelForCausalLM.from_pretrained(f"{directory}/model", distributed_config=config, dtype=torch.float32).eval()
     cm = fxlora.compile(
         model,
@@ -63,10 +72,13 @@ def main(directory: str) -> None:
         report["not_served"] = sorted(set(cm.pool.targets) - set(cm.backend.rewritten))
         report["ops"] = sorted(set(cm.backend.rewritten.values()))
         report["explain"] = cm.explain()
+        report["graphs"] = cm.compile_count
         out["generated"] = cm.generate(
             inputs["ids"], adapter_names=script["generate"], max_new_tokens=script["max_new_tokens"]
         )
-    # an adapter on the vocabulary-parallel embedding: refused on every rank, naming it
+    # an adapter on the embedding: refused on every rank, naming it, where the plan shards it
+    embedding = model.get_input_embeddings().weight
+    report["embedding_sharded"] = any(not p.is_replicate() for p in getattr(embedding, "placements", ()))
     try:
         fxlora.compile(model, {"e": f"{directory}/e"}, max_loras=2, max_rank=16)
         report["embedding"] = "compiled"

@@ -62,16 +62,22 @@ def prove_region(
     up_lora: list[torch.Tensor],
     down_lora: list[torch.Tensor],
     mine: tuple[int, int] | None = None,
-) -> None:
+) -> int | None:
     """Raise :class:`NotServed` unless ``fxlora::moe_lora`` with ``layout`` and no adapter
     gives the module's ``forward`` output on a probe shaped as the ``traced`` (fake) hidden
-    states, top-k index and top-k weights. ``mine``: the first of this rank's experts and
-    their count, when experts are split between ranks."""
+    states, top-k index and top-k weights.
+
+    ``mine``: the first of this rank's experts and their count, when experts are split between
+    ranks. The module's routes may then number the model's experts (transformers' ``ep_size``
+    plan keeps a rank's routes inside the experts module) or this rank's (older plans renumber
+    them in the router, sending other ranks' routes to the sentinel ``count``): both are probed,
+    on every rank alike since each probe runs collectives. Returns the number that the routes
+    the region reads give this rank's first expert (None without ``mine``)."""
     hidden_val, index_val, weights_val = traced
     params = experts.experts_parameters(module)
     up_name = next(n for n in params if n in experts.UP_PARAMETERS)
     up, down = params[up_name], params["down_proj"]
-    count, fin = up.shape[0], experts.in_out(module, up)[0]
+    count, fin = up.shape[0], experts.in_out(module, up)[0]  # a DTensor's shape is the whole parameter's
     top_k = min(_hint(index_val.shape[-1]), count)
     tokens = max(2, -(-count // top_k))  # every expert gets a token
     gen = torch.Generator().manual_seed(0)
@@ -82,36 +88,57 @@ def prove_region(
     hidden = hidden.to(device, hidden_val.dtype)
     index = experts_of.to(device, index_val.dtype)
     weights = (weights / weights.sum(-1, keepdim=True)).to(device, weights_val.dtype)
+    probes = [(index, weights, None)]
+    if mine is not None:
+        first, local = mine
+        ours = (index >= first) & (index < first + local)
+        probes = [(index, weights, first), (torch.where(ours, index - first, local), weights.masked_fill(~ours, 0.0), 0)]
+    errors = [_compare(module, layout, hidden, routes, up_lora, down_lora, mine) for routes in probes]
+    allowed = PROBE_RTOL.get(hidden.dtype, PROBE_RTOL[torch.float16])
+    for error, (_, _, first) in zip(errors, probes):
+        if isinstance(error, float) and error <= allowed:
+            return first
+    measured = [e for e in errors if isinstance(e, float)]
+    if not measured:
+        raise NotServed(errors[0])
+    raise NotServed(
+        f"fxlora::moe_lora with the layout read from it ({_describe(layout)}) differs from {type(module).__name__}.forward "
+        f"by {min(measured):.2g} on a probe (allowed {allowed:g})"
+    )
+
+
+def _compare(module, layout, hidden, routes, up_lora, down_lora, mine) -> float | str:
+    """The op's relative error against the module's forward on ``routes`` (index, weights,
+    and the number of this rank's first expert in them), or why either does not run."""
+    index, weights, first = routes
+    params = experts.experts_parameters(module)
+    up_name = next(n for n in params if n in experts.UP_PARAMETERS)
+    up, down = params[up_name], params["down_proj"]
     biases = [getattr(module, f"{n}_bias") if module.has_bias else None for n in (up_name, "down_proj")]
-    no_adapter = torch.full((tokens,), -1, dtype=torch.int32, device=device)
+    no_adapter = torch.full((hidden.shape[0],), -1, dtype=torch.int32, device=hidden.device)
     scratch = (moe_workspace(index, (up_lora or down_lora)[0]), moe_routing_workspace(index))
     name = type(module).__name__
+    group = process_group(module)
     with torch.no_grad():
         try:
             want = module(hidden, index, weights)
         except Exception as e:  # noqa: BLE001 - whatever the module's code raises, it cannot be checked
-            raise NotServed(f"its forward ({name}.forward) does not run on a probe: {type(e).__name__}: {e}") from None
+            want = f"its forward ({name}.forward) does not run on a probe: {type(e).__name__}: {e}"
         try:
-            routes = (index, weights) if mine is None else local_routing(index, weights, *mine)
+            ours = (index, weights) if first is None else local_routing(index, weights, first, mine[1])
             got = torch.ops.fxlora.moe_lora.default(
-                hidden, *routes, local_tensor(up), biases[0], local_tensor(down), biases[1], up_lora, down_lora,
+                hidden, *ours, local_tensor(up), biases[0], local_tensor(down), biases[1], up_lora, down_lora,
                 no_adapter, *scratch, **dataclasses.asdict(layout),
             )  # fmt: skip
-            if (group := process_group(module)) is not None:  # each rank computed its part of the sum
-                torch.distributed.all_reduce(got, group=group)
         except RuntimeError as e:  # e.g. weights whose shapes the layout reads the wrong way round
-            raise NotServed(
-                f"fxlora::moe_lora with the layout read from it ({_describe(layout)}) does not run on a probe: {e}"
-            ) from None
+            got = f"fxlora::moe_lora with the layout read from it ({_describe(layout)}) does not run on a probe: {e}"
+        if group is not None and isinstance(got, torch.Tensor):  # each rank computed its part of the sum
+            torch.distributed.all_reduce(got, group=group)
+    if isinstance(want, str) or isinstance(got, str):
+        return want if isinstance(want, str) else got
     if not isinstance(want, torch.Tensor) or want.shape != got.shape:
-        raise NotServed(f"its forward ({name}.forward) does not return the routed sum fxlora::moe_lora computes")
-    error = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
-    allowed = PROBE_RTOL.get(want.dtype, PROBE_RTOL[torch.float16])
-    if not error <= allowed:
-        raise NotServed(
-            f"fxlora::moe_lora with the layout read from it ({_describe(layout)}) differs from {name}.forward "
-            f"by {error:.2g} on a probe (allowed {allowed:g})"
-        )
+        return f"its forward ({name}.forward) does not return the routed sum fxlora::moe_lora computes"
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 
 def _gate_probe(limit: float) -> torch.Tensor:

@@ -19,7 +19,8 @@ its parameters' local shards and ends with the all-reduce of the ranks' partial 
 op replaces the computation between them, on the shards, and the all-reduce then sums its
 output, the LoRA deltas with it (:mod:`fxlora.adapters.sharding`). With experts split between
 ranks (expert parallelism) the op runs this rank's experts on the routes to them
-(``local_routing``); the all-reduce adds the other ranks' experts.
+(``local_routing``; the routes number the model's experts or, where the router renumbered
+them, this rank's: the probe tells which); the all-reduce adds the other ranks' experts.
 """
 
 from __future__ import annotations
@@ -88,12 +89,13 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
     bundles = [_bundle(targets.get(n)) for n in (up_name, "down_proj")]
     shard = next(iter(targets.values())).info.shard
     mine = (shard.start, shard.length) if shard is not None and shard.dim == "experts" else None
-    prove_region(module, layout, tuple(meta_value(n) for n in (hidden, top_k_index, top_k_weights)), *bundles, mine)
+    first = prove_region(module, layout, tuple(meta_value(n) for n in (hidden, top_k_index, top_k_weights)), *bundles, mine)
     output = outputs[0]
     with gm.graph.inserting_before(output.next):
-        if mine is not None:  # this rank's experts only, as the module routes before its all-reduce
-            routes = gm.graph.call_function(local_routing, (top_k_index, top_k_weights, *mine))
-            fake_value(routes, lambda i, w=meta_value(top_k_weights): local_routing(i, w, *mine), top_k_index)
+        if mine is not None:  # the routes to this rank's experts only; the all-reduce adds the rest
+            ours = (first, mine[1])
+            routes = gm.graph.call_function(local_routing, (top_k_index, top_k_weights, *ours))
+            fake_value(routes, lambda i, w=meta_value(top_k_weights): local_routing(i, w, *ours), top_k_index)
             top_k_index, top_k_weights = (gm.graph.call_function(operator.getitem, (routes, i)) for i in range(2))
             for i, node in enumerate((top_k_index, top_k_weights)):
                 node.meta["example_value"] = routes.meta["example_value"][i]
