@@ -56,8 +56,8 @@ class ExpertsLayout:
     transposed: bool  # weights stored (E, in, out)
     gate: str  # one of fxlora.ops.moe_lora.GATES
     act: str  # a transformers activation name ("" for GPT-OSS's built-in gate)
-    alpha: float = 0.0  # GPT-OSS's gate: sigmoid(alpha · gate)
-    limit: float = 0.0  # the clamped gates' limit
+    alpha: float = 0.0  # GPT-OSS's gate: sigmoid(alpha · gate); glu_softcapped: the gate's softcap
+    limit: float = 0.0  # the clamped gates' limit; glu_softcapped: the up half's softcap
 
 
 def layouts(module: torch.nn.Module) -> list[ExpertsLayout]:
@@ -82,6 +82,9 @@ def layouts(module: torch.nn.Module) -> list[ExpertsLayout]:
         candidates += [ExpertsLayout(transposed, "act", a) for a in acts]
     elif module.is_concatenated:
         candidates += [ExpertsLayout(transposed, "glu", a) for a in acts]
+        caps = [_number(getattr(act_fn, n, None), "softcap") for n in ("gate_softcap", "up_softcap")]
+        if all(caps):  # a SwiGLU with soft-capped factors (Inkling2)
+            candidates.append(ExpertsLayout(transposed, "glu_softcapped", "", *caps))
         if limit is not None:
             candidates += [ExpertsLayout(transposed, "glu_clamped", a, limit=limit) for a in acts]
             if alpha is not None:
@@ -143,7 +146,7 @@ def _activations() -> dict[str, torch.nn.Module]:
     return _ACTIVATIONS
 
 
-def _number(module: torch.nn.Module, *names: str) -> float | None:
+def _number(module: torch.nn.Module | None, *names: str) -> float | None:
     for name in names:
         value = getattr(module, name, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):

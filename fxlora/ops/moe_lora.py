@@ -23,6 +23,9 @@ LoRA passes an empty one. ``token_slot`` is each token's slot
 - ``"glu_interleaved_clamped"``: GPT-OSS's gate: even columns are the gate, odd the up
   half, both clamped to ``limit``, ``gate · sigmoid(alpha · gate) · (up + 1)``;
 - ``"glu_concatenated_clamped"``: GPT-OSS's gate over concatenated halves (MiniMax-M3);
+- ``"glu_softcapped"``: a SwiGLU whose linear factors are soft-capped, in float32,
+  ``cap(gate, alpha) · sigmoid(gate) · cap(up, limit)`` with ``cap(x, c) = c · tanh(x / c)``
+  (Inkling2: ``alpha`` and ``limit`` are the gate's and the up half's softcaps);
 - ``"act"``: experts without a gate: ``act(h)``.
 
 ``act`` is a ``transformers`` activation name (``ACT2FN``). The reference reads routing on
@@ -49,7 +52,7 @@ from fxlora.ops.batch_info import fast_token_segments, slot_groups
 from fxlora.ops.operands import BatchInfo, LoraWeights, optional_weights
 from fxlora.ops.triton import sgmv
 
-GATES = ("glu", "glu_clamped", "glu_interleaved_clamped", "glu_concatenated_clamped", "act")
+GATES = ("glu", "glu_clamped", "glu_interleaved_clamped", "glu_concatenated_clamped", "glu_softcapped", "act")
 
 
 def apply_gate(h: torch.Tensor, gate: str, act: str, alpha: float, limit: float) -> torch.Tensor:
@@ -62,6 +65,9 @@ def apply_gate(h: torch.Tensor, gate: str, act: str, alpha: float, limit: float)
     g, up = (h[..., ::2], h[..., 1::2]) if gate == "glu_interleaved_clamped" else h.chunk(2, dim=-1)
     if gate == "glu":
         return ACT2FN[act](g) * up
+    if gate == "glu_softcapped":
+        g, up = g.float(), up.float()
+        return ((torch.tanh(g / alpha) * alpha) * torch.sigmoid(g) * (torch.tanh(up / limit) * limit)).to(h.dtype)
     g, up = g.clamp(max=limit), up.clamp(min=-limit, max=limit)
     if gate == "glu_clamped":
         return ACT2FN[act](g) * up
