@@ -17,6 +17,7 @@ cause where it can be told); ``not-buildable`` (transformers or PEFT themselves 
 run the model or an adapter, checked before fxlora is involved).
 
     python scripts/sweep_models.py [--only llama,gpt2] [--jobs N] [--out results.json] [--markdown]
+    python scripts/sweep_models.py --compare newest.json floor.json     # the docs' table
 """
 
 from __future__ import annotations
@@ -247,6 +248,24 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def comparison(runs: list[dict[str, Any]]) -> str:
+    """One row per architecture, a result and cause column per run (each a ``--out`` file)."""
+    head = "| architecture | " + " | ".join(f"{r['transformers_version']} | cause" for r in runs) + " |"
+    lines = [head, "|" + " --- |" * (1 + 2 * len(runs))]
+    by_run = [{x["model_type"]: x for x in r["results"]} for r in runs]
+    for model_type in sorted(set().union(*by_run)):
+        cells = []
+        for results in by_run:
+            r = results.get(model_type)
+            if r is None:
+                cells += ["", ""]
+                continue
+            status = r["status"] if r["status"] != "mismatch" else f"mismatch ({r['max_rel_error']:.2g})"
+            cells += [status, r.get("cause", "") if r["status"] != "pass" else ""]
+        lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated model types (default: all)")
@@ -254,8 +273,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--markdown", action="store_true", help="print a table of the results")
+    parser.add_argument("--compare", type=Path, nargs="+", metavar="JSON", help="print the table of these --out files side by side")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.compare:
+        print(comparison([json.loads(p.read_text()) for p in args.compare]))
+        return
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.worker:
         logging.getLogger().setLevel(logging.WARNING)
