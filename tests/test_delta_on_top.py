@@ -1,5 +1,5 @@
 """LoRA added onto bases that are not a plain F.linear, end to end through fxlora.compile:
-Falcon's ``input @ weight.T`` linears, and torchao int8 / int4 weight-only linears (loaded
+Falcon's ``input @ weight.T`` linears, bitsandbytes' 4-bit linears, and torchao int8 / int4 weight-only linears (loaded
 through transformers' ``TorchAoConfig``), in mixed batches (a, None, b) against PEFT (which
 wraps both) and against the exact decomposition; rows without an adapter equal the model's
 own output bit for bit, in the lora and the nolora variant. float32: 1e-5 relative error per
@@ -126,6 +126,53 @@ def test_torchao_quantize_without_transformers_is_served(llama):
     out = assert_matches_decomposition(cm, model, adapters, NAMES, **batch)
     check_base_rows(cm, model, batch, out)
     assert "quantised (torchao): 14 targeted linear(s)" in cm.explain()
+
+
+@pytest.fixture(scope="module")
+def wide_llama():
+    """bitsandbytes quantises in blocks of 64 values: every width at least that."""
+    return tiny_model("llama", seed=5, hidden_size=64, intermediate_size=128)
+
+
+def bitsandbytes_model(llama, tmp_path, warm=True, **options):
+    """``llama`` quantised by bitsandbytes on the CPU. Its CPU backend repacks the 4-bit weights
+    on the first forward (``warm`` runs it): a graph traced through that repack is no plain
+    linear region, and a deep copy of a repacked model (as the PEFT oracle makes) computes
+    something else, so the oracle gets a model of its own, copied before any forward."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    if not (tmp_path / "config.json").exists():
+        llama.save_pretrained(tmp_path)
+    config = BitsAndBytesConfig(**options)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, device_map="cpu").eval()
+    if warm:
+        with torch.no_grad():
+            model(**inputs())
+    return model
+
+
+def test_bitsandbytes_4bit_linears_keep_their_quantised_matmul(wide_llama, tmp_path):
+    """QLoRA's base: nf4 weights through transformers' BitsAndBytesConfig, against PEFT's
+    bitsandbytes LoRA layers."""
+    torch._dynamo.reset()
+    nf4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    model = bitsandbytes_model(wide_llama, tmp_path, **nf4)
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    adapters = adapters_for(wide_llama, ["q_proj", "v_proj", "down_proj"])
+    cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
+    batch = inputs()
+    out = assert_matches_peft(cm, bitsandbytes_model(wide_llama, tmp_path, warm=False, **nf4), adapters, NAMES, **batch)
+    assert_matches_decomposition(cm, model, adapters, NAMES, **batch)
+    check_base_rows(cm, model, batch, out)
+    assert delta_modules(cm) == set(cm.backend.rewritten) and len(delta_modules(cm)) == 14
+    assert "quantised (bitsandbytes): 14 targeted linear(s) keep their quantised matmul" in cm.explain()
+
+
+def test_bitsandbytes_8bit_linears_are_refused_at_compile_time(llama, tmp_path):
+    model = bitsandbytes_model(llama, tmp_path, load_in_8bit=True)
+    with pytest.raises(fxlora.QuantizationError, match=r"quantised \(bitsandbytes\).*\(Linear8bitLt, weight Int8Params"):
+        fxlora.compile(model, adapters=adapters_for(llama, ["q_proj"]), max_loras=2, max_rank=8)
 
 
 def test_a_packed_weight_of_another_method_is_refused_at_compile_time(llama):

@@ -70,8 +70,11 @@ class ModuleInfo:
 
         if isinstance(module, Conv1D):  # a linear whose weight is stored (in, out)
             return ModuleInfo._linear(module.weight, out_dim=1, keep_weight=False)
-        if isinstance(module, torch.nn.Linear):
-            return ModuleInfo._linear(module.weight, out_dim=0)
+        if isinstance(module, torch.nn.Linear):  # its features, whatever shape a quantised weight packs into
+            dtype = module.weight.dtype
+            if not dtype.is_floating_point:  # a packed weight (bitsandbytes): LoRA in the dtype the layer computes in
+                dtype = getattr(module, "compute_dtype", None) or torch.get_default_dtype()
+            return ModuleInfo._linear(module.weight, out_dim=0, features=(module.out_features, module.in_features), dtype=dtype)
         if isinstance(module, torch.nn.Embedding):
             w = module.weight
             n, d = sharding.local_tensor(w).shape
@@ -82,13 +85,24 @@ class ModuleInfo:
         return None
 
     @staticmethod
-    def _linear(w: torch.Tensor, out_dim: int, keep_weight: bool = True, parameter: str | None = None) -> ModuleInfo:
-        shape = sharding.local_tensor(w).shape
+    def _linear(
+        w: torch.Tensor,
+        out_dim: int,
+        keep_weight: bool = True,
+        parameter: str | None = None,
+        features: tuple[int, int] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> ModuleInfo:
+        """A linear over ``w`` (output features along ``out_dim``), of ``features`` ``(out, in)``
+        when given and ``w`` is not sharded, else of ``w``'s (local) shape."""
+        if features is None or sharding.is_distributed(w):
+            shape = sharding.local_tensor(w).shape
+            features = (shape[out_dim], shape[1 - out_dim])
         shard, why = _sharding(w, out_dim, 1 - out_dim)
         weight = w if keep_weight else None
-        return ModuleInfo(
-            "linear", shape[1 - out_dim], shape[out_dim], w.dtype, w.device, weight, parameter=parameter, shard=shard, unshardable=why
-        )
+        fout, fin = features
+        dtype = dtype or w.dtype
+        return ModuleInfo("linear", fin, fout, dtype, w.device, weight, parameter=parameter, shard=shard, unshardable=why)
 
     @staticmethod
     def over_parameter(module: torch.nn.Module) -> ModuleInfo | None:

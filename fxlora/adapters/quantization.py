@@ -4,7 +4,9 @@ onto each targeted module it quantised.
 torchao replaces a linear's weight by a tensor subclass (``Int8Tensor``,
 ``IntxUnpackedToInt8Tensor``, ...); the trace keeps ``F.linear`` of that weight, which the
 ``lora_delta`` pass leaves as it is and adds the delta onto. That is served, whether the
-model came through transformers' ``TorchAoConfig`` or ``torchao.quantize_``. A targeted
+model came through transformers' ``TorchAoConfig`` or ``torchao.quantize_``; so is
+bitsandbytes' 4-bit ``Linear4bit`` (``BitsAndBytesConfig(load_in_4bit=True)``, QLoRA's base),
+whose forward traces as bitsandbytes' own ops and whose LoRA is kept in its compute dtype. A targeted
 embedding or experts parameter quantised so, and a targeted module quantised by another
 method (its own module class or a packed weight), raises :class:`QuantizationError` when the
 model is compiled, naming the method and the module. Experts whose parameters are quantised
@@ -23,7 +25,7 @@ from fxlora.adapters import experts
 from fxlora.adapters.pool import AdapterPool, ModuleInfo
 from fxlora.errors import QuantizationError
 
-SERVED_METHODS = ("torchao",)
+SERVED_METHODS = ("torchao", "bitsandbytes")
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str
                     "them out of the adapters and target_modules"
                 )
             continue
-        if _torchao_weight(weight):
+        if _torchao_weight(weight) or _bitsandbytes_linear(module):
             if info.kind != "linear":
                 raise QuantizationError(
                     f"the base model is quantised ({method}) and LoRA targets the {info.kind} {fqn!r}, whose weight is "
@@ -106,12 +108,20 @@ def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str
             raise QuantizationError(
                 f"the base model is quantised ({method}) and LoRA targets {fqn!r} ({type(module).__name__}, weight "
                 f"{type(weight).__name__} {getattr(weight, 'dtype', '')}): fxlora serves quantised bases through torchao "
-                "tensor-subclass weights (transformers' TorchAoConfig, torchao.quantize_) only"
+                "tensor-subclass weights (transformers' TorchAoConfig, torchao.quantize_) and bitsandbytes' 4-bit "
+                "Linear4bit only"
             )
     quantized_experts = tuple(
         fqn for fqn, m in model.named_modules() if experts.is_experts(m) and any(map(_quantized, experts.experts_parameters(m).values()))
     )
     return QuantizedBase(method, tuple(served), quantized_experts)
+
+
+def _bitsandbytes_linear(module: torch.nn.Module) -> bool:
+    """A bitsandbytes 4-bit linear (QLoRA's base): its forward is bitsandbytes' custom ops,
+    which trace as they are; the delta goes onto its output. (The 8-bit one finds outlier
+    columns by value, which breaks the graph: it is refused.)"""
+    return type(module).__module__.startswith("bitsandbytes") and type(module).__name__ == "Linear4bit"
 
 
 def _torchao_weight(weight: object) -> bool:
