@@ -143,7 +143,11 @@ class CompiledModel(torch.nn.Module):
     def load_adapter(self, name: str, source: AdapterSource) -> None:
         """Load an adapter into a free slot: graphs are not retraced. On any error nothing
         changes."""
-        load(self.pool, self.model, name, source)
+        if sharding.process_group(self.model) is None:
+            load(self.pool, self.model, name, source)
+            return
+        with self._backend.lock:  # the ranks' agreement must not interleave with a call's collectives
+            load(self.pool, self.model, name, source)
 
     def unload_adapter(self, name: str) -> None:
         self.pool.unload(name)
@@ -263,10 +267,16 @@ def compile(
     )
     for name, source in adapters.items():
         load(pool, model, name, source)
-    modules = model_modules(model)
-    quantized = check_quantized(model, pool, modules)  # before the pool compares weights it cannot read
-    pool.register_modules(modules, complete=True)
-    _check_experts_gates(model, pool)
+    group = sharding.process_group(model)
+    try:
+        modules = model_modules(model)
+        quantized = check_quantized(model, pool, modules)  # before the pool compares weights it cannot read
+        pool.register_modules(modules, complete=True)
+        _check_experts_gates(model, pool)
+    except Exception as e:  # noqa: BLE001 - a tensor-parallel model: every rank fails, or none does
+        sharding.agree(e, group)
+        raise
+    sharding.agree(None, group)
     config = getattr(model, "config", None)
     if (
         getattr(config, "_experts_implementation", None) in (None, "eager")
@@ -280,7 +290,7 @@ def compile(
     backend = Backend(pool, modules=ModuleTree(model), inner=inner)
     # a call of a target outside the compiled graphs is seen, so one the model makes nowhere needs no LoRA
     watch_calls(model, {fqn: t.module for fqn, t in pool.targets.items()})
-    if (group := sharding.process_group(model)) is not None:
+    if group is not None:
         backend.notes.append(sharding.describe(group, [t.info.shard for t in pool.targets.values()]))
     if quantized is not None:
         backend.notes.append(quantized.describe())

@@ -152,7 +152,6 @@ def peft_rows(model, directory: Path, names: list[str | None], ids: torch.Tensor
 def case(request, tmp_path_factory):
     spec = CASES[request.param]
     directory = tmp_path_factory.mktemp(f"tp-{request.param}")
-    torch._dynamo.reset()
     model = tiny_model(spec["family"], seed=5, intermediate_size=48)
     model.save_pretrained(directory / "model")
     for i, (name, config) in enumerate(spec["adapters"].items()):
@@ -176,7 +175,6 @@ def case(request, tmp_path_factory):
         oracle = {key: peft_rows(model, directory, script[key], ids) for key in ("first", "loaded", "unloaded")}
     peft = peft_model_with(model, {n: str(directory / n) for n in ("b", "c")})
     oracle["generated"] = reference_generate(model, peft, script["generate"], ids, None, 5, None, 0)
-    torch._dynamo.reset()
     return request.param, run_ranks(directory), expected, oracle
 
 

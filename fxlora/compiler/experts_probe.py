@@ -24,7 +24,7 @@ import torch
 
 from fxlora.adapters import experts
 from fxlora.adapters.experts import ExpertsLayout
-from fxlora.adapters.sharding import local_tensor, process_group
+from fxlora.adapters.sharding import agree, local_tensor, process_group
 from fxlora.errors import NotServed
 from fxlora.ops.moe_lora import apply_gate, local_routing, moe_routing_workspace, moe_workspace
 
@@ -132,8 +132,13 @@ def _compare(module, layout, hidden, routes, up_lora, down_lora, mine) -> float 
             )  # fmt: skip
         except RuntimeError as e:  # e.g. weights whose shapes the layout reads the wrong way round
             got = f"fxlora::moe_lora with the layout read from it ({_describe(layout)}) does not run on a probe: {e}"
-        if group is not None and isinstance(got, torch.Tensor):  # each rank computed its part of the sum
-            torch.distributed.all_reduce(got, group=group)
+        if group is not None:  # each rank computed its part of the sum, if every rank computed it
+            try:
+                agree(RuntimeError(got) if isinstance(got, str) else None, group)
+            except RuntimeError as e:
+                got = str(e)
+            else:
+                torch.distributed.all_reduce(got, group=group)
     if isinstance(want, str) or isinstance(got, str):
         return want if isinstance(want, str) else got
     if not isinstance(want, torch.Tensor) or want.shape != got.shape:

@@ -42,6 +42,7 @@ from fxlora.compiler.graph_edit import (
     module_region,
     region_inputs,
     region_outputs,
+    split_reduction,
 )
 from fxlora.compiler.lora_linear import lora_operands
 from fxlora.errors import NotServed
@@ -106,6 +107,7 @@ def _served(node: fx.Node) -> bool:
 def _boundary(target: PoolTarget, nodes: list[fx.Node], values: dict[fx.Node, object]) -> Region:
     """The region's input and output; raises :class:`NotServed` when they do not fit a linear."""
     info = target.info
+    nodes, _ = split_reduction(nodes)  # a row-parallel layer's partial output: the delta goes in before its all-reduce
     outputs = region_outputs(nodes)
     if len(outputs) != 1:
         raise NotServed(f"its traced region has {len(outputs)} outputs, not one")

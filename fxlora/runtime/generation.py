@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from fxlora.adapters import NO_ADAPTER
+from fxlora.adapters import NO_ADAPTER, sharding
 from fxlora.errors import AdapterError
 from fxlora.runtime.backend import Backend, tracing_as
 from fxlora.runtime.cuda_graphs import GraphSet
@@ -58,6 +58,8 @@ class DecodeRuntime:
         modules the runtime reads)."""
         param = next(model.parameters())
         self.step, self.backend, self.device, self.dtype = step, backend, param.device, param.dtype
+        # ranks of a tensor-parallel model must stop at the same step: they decide on what they copied, waiting for it
+        self.ranks_agree = sharding.process_group(model) is not None
         self.max_batch_size, self.max_len = max_batch_size, max_len
         self.buckets = sorted(set(buckets or default_buckets(max_batch_size)))
         if self.buckets[0] < 1 or self.buckets[-1] > max_batch_size:
@@ -215,7 +217,7 @@ class DecodeRuntime:
             self.slot_ids.fill_(NO_ADAPTER)
             self.slot_ids[:rows].copy_(slot_ids)
         bucket = self.bucket_for(rows)  # checked before the call: it fits
-        finished = _Finished(rows, len(eos) > 0, max_new_tokens, self.device)
+        finished = _Finished(rows, len(eos) > 0, max_new_tokens, self.device, wait=self.ranks_agree)
         out = [ids]
         for step in range(max_new_tokens):
             tokens = torch.where(finished.rows, pad, sampling.pick(logits.float()))
@@ -238,10 +240,12 @@ CHECK_EVERY = 8  # decode steps between the host's looks at which rows have fini
 class _Finished:
     """Which rows produced an end token, kept on the device. The host hears of it through a
     non-blocking copy it reads ``CHECK_EVERY`` steps later, so no step waits for the device;
-    the steps run meanwhile make only padding, which is cut off at the end."""
+    the steps run meanwhile make only padding, which is cut off at the end. With ``wait`` (the
+    ranks of a tensor-parallel model, whose decode steps run collectives together) the host
+    waits for that copy, so every rank stops after the same step."""
 
-    def __init__(self, rows: int, tracked: bool, max_new_tokens: int, device: torch.device):
-        self.tracked, self.device = tracked, device
+    def __init__(self, rows: int, tracked: bool, max_new_tokens: int, device: torch.device, wait: bool = False):
+        self.tracked, self.device, self.wait = tracked, device, wait
         self.rows = torch.zeros(rows, dtype=torch.bool, device=device)
         # the number of new tokens to keep: up to the step after which every row had finished
         self.keep = torch.full((1,), max_new_tokens, dtype=torch.long, device=device)
@@ -259,6 +263,8 @@ class _Finished:
         """Whether every row had finished by a step the host has heard of."""
         if not self.tracked or step % CHECK_EVERY:
             return False
+        if self.pending and self.wait and self.copied is not None:
+            self.copied.synchronize()  # the host's answer may not depend on when the copy landed
         if self.pending and (self.copied is None or self.copied.query()) and bool(self.host[0]):
             return True
         self._copy()
