@@ -75,7 +75,8 @@ def run_system(system: str, model_name: str, batches: list[int]) -> dict:
         for b in batches:
             names = {"lora": [f"ad{i % ADAPTERS}" for i in range(b)], "nolora": None}
             for variant, adapter_names in names.items():
-                call = lambda n: cm.generate(prompts[b], adapter_names=adapter_names, max_new_tokens=n)  # noqa: B023, E731
+                # no end token, as min_new_tokens=n makes it for transformers and PEFT: every call runs n steps
+                call = lambda n: cm.generate(prompts[b], adapter_names=adapter_names, max_new_tokens=n, eos_token_id=())  # noqa: B023, E731
                 call(NEW)
                 if "setup_s" not in results:
                     results["setup_s"] = time.perf_counter() - start
