@@ -22,6 +22,7 @@ from fxlora.adapters.peft_format import AdapterSource
 from fxlora.adapters.quantization import check_quantized
 from fxlora.compiler.annotate import ModuleTree
 from fxlora.compiler.experts_probe import choose_layout
+from fxlora.compiler.inner import resolve as resolve_inner
 from fxlora.errors import AdapterError, NotServed
 from fxlora.runtime import Backend
 from fxlora.runtime.backend import raise_recompile_limit
@@ -250,6 +251,8 @@ def compile(
     """
     if adapters is not None and not isinstance(adapters, Mapping):
         raise TypeError(f"adapters must map adapter names to sources, got {type(adapters).__name__}")
+    if inner is not None:
+        resolve_inner(inner, torch.device("cpu"))  # a bad name fails before anything changes
     adapters = dict(adapters or {})
     model, from_peft = _unwrap_peft(model)
     for name, source in from_peft.items():

@@ -86,6 +86,7 @@ def main(directory: str) -> None:
         report["embedding"] = f"{type(e).__name__}: {e}"
     save_file({k: v.contiguous() for k, v in out.items()}, f"{directory}/rank{rank}.safetensors")
     json.dump(report, open(f"{directory}/rank{rank}.json", "w"))
+    dist.barrier()  # no rank tears its group down while another's last collective is in flight
     dist.destroy_process_group()
 
 

@@ -31,7 +31,6 @@ import torch
 from fxlora.adapters.peft_format import LoraFactors
 from fxlora.errors import AdapterError, NotServed
 
-UP_PARAMETERS = ("gate_up_proj", "up_proj")
 PER_EXPERT_NAMES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 PER_EXPERT_KEY = re.compile(r"^(?P<experts>.+)\.(?P<e>\d+)\.(?P<proj>[a-z_0-9]+)$")
 
@@ -42,9 +41,14 @@ def is_experts(module: torch.nn.Module) -> bool:
     )
 
 
+def up_name(module: torch.nn.Module) -> str:
+    """The name of the experts' up parameter: ``gate_up_proj``, or ``up_proj`` without a gate."""
+    return "gate_up_proj" if module.has_gate else "up_proj"
+
+
 def experts_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The experts' up (``gate_up_proj`` / ``up_proj``) and ``down_proj`` parameters."""
-    up = "gate_up_proj" if module.has_gate else "up_proj"
+    """The experts' up (:func:`up_name`) and ``down_proj`` parameters."""
+    up = up_name(module)
     return {up: getattr(module, up), "down_proj": module.down_proj}
 
 
@@ -187,10 +191,10 @@ def per_expert_factors(where, experts_fqn, module, parts) -> dict[str, LoraFacto
     """The experts LoRA of ``module``'s parameters from per-expert modules' LoRA, ``parts``
     keyed by ``(expert, "gate" | "up" | "down")``."""
     params = experts_parameters(module)
-    up_name = next(n for n in params if n in UP_PARAMETERS)
+    up = up_name(module)
     count = params["down_proj"].shape[0]
     out = {}
-    for name, halves in ((up_name, ("gate", "up") if module.has_gate else ("up",)), ("down_proj", ("down",))):
+    for name, halves in ((up, ("gate", "up") if module.has_gate else ("up",)), ("down_proj", ("down",))):
         weight = params[name]
         fin, fout = in_out(module, weight)
         got = {(e, p): f for (e, p), f in parts.items() if p in halves}

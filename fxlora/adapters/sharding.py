@@ -37,14 +37,12 @@ from fxlora.errors import ShardingError
 class Sharding:
     """Which part of a module's ``dim`` (its input or output features, of ``size`` in all)
     this rank computes: the slice ``[start, start + length)`` of each of ``pieces`` equal
-    blocks (one, or the gate and up halves of a packed experts weight), in block order;
-    ``placement`` as DTensor names it."""
+    blocks (one, or the gate and up halves of a packed experts weight), in block order."""
 
     dim: Literal["in", "out", "experts"]
     start: int
     length: int
     size: int
-    placement: str
     pieces: int = 1
 
     def factors(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +114,7 @@ def sharding_of(weight: torch.Tensor, out_dim: int, in_dim: int, experts_dim: in
     length = min(chunk, block - start)
     if block * pieces != size or length * pieces != weight.to_local().shape[dim]:
         raise ShardingError(f"its weight's placement {text} does not split it as fxlora reads the placement")
-    return Sharding(kind, start, length, size, text, pieces)
+    return Sharding(kind, start, length, size, pieces)
 
 
 def plan_entry(model: torch.nn.Module, fqn: str) -> str | None:

@@ -35,7 +35,9 @@ def decode_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         if mask_value.dim() != 4 or call_arg(node, 5, "is_causal", False) or call_arg(node, 4, "dropout_p", 0.0):
             continue
-        if node.kwargs.get("enable_gqa", False):
+        if not all(isinstance(d, int) and d == 1 for d in mask_value.shape[1:3]):  # the kernel reads one mask row per batch row
+            continue
+        if call_arg(node, 7, "enable_gqa", False) or not isinstance(call_arg(node, 6, "scale"), (int, float, type(None))):
             continue
         kv = [_cached(call_arg(node, i, name), q_shape[1]) for i, name in ((1, "key"), (2, "value"))]
         if any(t is None for t in kv):

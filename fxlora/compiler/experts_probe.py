@@ -75,7 +75,7 @@ def prove_region(
     the region reads give this rank's first expert (None without ``mine``)."""
     hidden_val, index_val, weights_val = traced
     params = experts.experts_parameters(module)
-    up_name = next(n for n in params if n in experts.UP_PARAMETERS)
+    up_name = experts.up_name(module)
     up, down = params[up_name], params["down_proj"]
     count, fin = up.shape[0], experts.in_out(module, up)[0]  # a DTensor's shape is the whole parameter's
     top_k = min(_hint(index_val.shape[-1]), count)
@@ -112,7 +112,7 @@ def _compare(module, layout, hidden, routes, up_lora, down_lora, mine) -> float 
     and the number of this rank's first expert in them), or why either does not run."""
     index, weights, first = routes
     params = experts.experts_parameters(module)
-    up_name = next(n for n in params if n in experts.UP_PARAMETERS)
+    up_name = experts.up_name(module)
     up, down = params[up_name], params["down_proj"]
     biases = [getattr(module, f"{n}_bias") if module.has_bias else None for n in (up_name, "down_proj")]
     no_adapter = torch.full((hidden.shape[0],), -1, dtype=torch.int32, device=hidden.device)

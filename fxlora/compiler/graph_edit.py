@@ -94,12 +94,10 @@ def _parameter(node: Any) -> object:
     """What names the parameter ``node`` reads, directly or through :data:`CASTS` and
     :data:`LOCAL_SHARD` (a graph input, or an attribute of the graph module), or None for a
     tensor computed in the graph."""
-    node = _uncast(node)
-    if isinstance(node, fx.Node) and node.op == "placeholder":
-        return node
-    if isinstance(node, fx.Node) and node.op == "get_attr":
-        return node.target
-    return None
+    read = parameter_read(node)
+    if read is None:
+        return None
+    return read[0] if read[0].op == "placeholder" else read[0].target
 
 
 def parameter_read(node: Any) -> list[fx.Node] | None:
@@ -113,12 +111,6 @@ def parameter_read(node: Any) -> list[fx.Node] | None:
     if not (isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")):
         return None
     return [node, *reversed(chain)]
-
-
-def _uncast(node: Any) -> Any:
-    while isinstance(node, fx.Node) and node.op == "call_method" and (node.target in CASTS or node.target == LOCAL_SHARD):
-        node = node.args[0]
-    return node
 
 
 def pool_nodes(gm: fx.GraphModule, target: PoolTarget | PoolGroup) -> list[fx.Node]:
@@ -247,6 +239,6 @@ def input_values(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, object]:
 
 def reads_parameter(node: Any, parameter: Any, values: dict[fx.Node, object]) -> bool:
     """Whether ``node`` is ``parameter`` (by identity with the model's tensor), read directly
-    or through :data:`CASTS`."""
-    node = _uncast(node)
-    return isinstance(node, fx.Node) and values.get(node) is parameter
+    or through :data:`CASTS` and :data:`LOCAL_SHARD`."""
+    read = parameter_read(node)
+    return read is not None and values.get(read[0]) is parameter

@@ -30,7 +30,7 @@ def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             ctx.leave_traced(fqn, "embedding with max_norm renormalises its weight in place")
             continue
         if reads_wrapped_tensor(node):
-            ctx.note(f"skipped {fqn}: its weight is a {type(meta_value(embedding_args(node)[1])).__name__}, not a plain tensor")
+            ctx.leave_traced(fqn, f"its weight is a {type(meta_value(embedding_args(node)[1])).__name__}, not a plain tensor")
             continue
         ids, weight = embedding_args(node)
         try:

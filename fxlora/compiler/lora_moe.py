@@ -134,7 +134,7 @@ def _match_inputs(
     region; raises :class:`NotServed` when they cannot be told apart."""
     external = region_inputs(region)
     params = experts.experts_parameters(module)
-    up_name = next(n for n in params if n in experts.UP_PARAMETERS)
+    up_name = experts.up_name(module)
     wanted = {"up": params[up_name], "down": params["down_proj"]}
     if module.has_bias:
         wanted.update(up_bias=getattr(module, f"{up_name}_bias"), down_bias=module.down_proj_bias)

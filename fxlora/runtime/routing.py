@@ -277,7 +277,7 @@ class Router:
         self.graphs = graphs
         self.inner = inner
         self.graph_breaks = graph_breaks
-        self._compiled: dict[tuple[int, str], tuple[Callable[..., Any], str | None]] = {}
+        self._compiled: dict[tuple[int, str], tuple[Variants, Callable[..., Any], str | None]] = {}
         for variant in ("lora", "nolora"):  # compiled now, while Dynamo's tracing context is current
             if getattr(instances.traced, variant) is not None:
                 self._compiled_variant(instances.traced, variant)
@@ -317,8 +317,9 @@ class Router:
         if key not in self._compiled:
             graph = getattr(variants, variant)
             uncapturable = cpu_work(graph) if self.graphs is not None else None
-            self._compiled[key] = (compile_inner(graph, self.inner), uncapturable)
-        return self._compiled[key]
+            # holding ``variants`` keeps its id from naming another while the entry lives
+            self._compiled[key] = (variants, compile_inner(graph, self.inner), uncapturable)
+        return self._compiled[key][1:]
 
     def _run(self, variants: Variants, variant: str, args: tuple):
         fn, uncapturable = self._compiled_variant(variants, variant)

@@ -172,7 +172,7 @@ def per_expert_adapter(model: torch.nn.Module, r: int, seed: int, names=("gate_p
         if not experts.is_experts(module):
             continue
         params = experts.experts_parameters(module)
-        up = next(p for p in params if p in experts.UP_PARAMETERS)
+        up = experts.up_name(module)
         fin_up, fout_up = experts.in_out(module, params[up])
         fin_down, fout_down = experts.in_out(module, params["down_proj"])
         width = fout_up // 2 if module.has_gate else fout_up
