@@ -14,7 +14,8 @@ within 1e-5 in float32.
 Every architecture runs in a subprocess of its own with a time limit. Results, one per
 architecture: ``pass``; ``mismatch`` (the largest row error); ``error`` (the exception, and a
 cause where it can be told); ``not-buildable`` (transformers or PEFT themselves cannot build or
-run the model or an adapter, checked before fxlora is involved).
+run the model or an adapter, checked before fxlora is involved; or, for rows that differ, the
+model under plain ``torch.compile`` already differs from its eager forward).
 
     python scripts/sweep_models.py [--only llama,gpt2] [--jobs N] [--out results.json] [--markdown]
     python scripts/sweep_models.py --compare newest.json floor.json     # the docs' table
@@ -190,8 +191,26 @@ def run_one(model_type: str, entry: dict[str, Any], workdir: str) -> dict[str, A
     try:
         check_rows(out, ref, names, noise=lambda: oracle_noise(reference, exact, names, input_ids=ids))
     except AssertionError as e:
+        gap = compiled_gap(base, ids)
+        if gap > 1e-5:  # no graph of fxlora's can match a model that Dynamo alone changes
+            return {**result, "status": "not-buildable", "cause": "transformers' compiled forward differs from its eager one",
+                    "error": f"torch.compile(model, backend='eager') differs from model() by {gap:.2g} (relative)"}  # fmt: skip
         return {**result, "status": "mismatch", "cause": "rows differ from PEFT", "error": str(e)[:300]}
     return {**result, "status": "pass"}
+
+
+@torch_no_grad
+def compiled_gap(model: Any, ids: Any) -> float:
+    """The relative error of the model under plain ``torch.compile`` (Dynamo, no compiler)
+    against its eager forward: a model whose code takes another path when traced (a branch on
+    ``is_torchdynamo_compiling``) differs already without fxlora."""
+    import torch
+
+    model = copy.deepcopy(model)
+    want = model(input_ids=ids).logits
+    torch._dynamo.reset()
+    got = torch.compile(model, backend="eager")(input_ids=ids).logits
+    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 @torch_no_grad
