@@ -346,6 +346,10 @@ class AdapterPool:
         """The group of linear targets ``fqns`` (in this order), joined on first request.
         Raises :class:`NotServed`, saying why, when they cannot be: a target that a graph
         already reads on its own, or that belongs to another group, keeps its tensors."""
+        with self._lock:  # a graph built during a call joins while loads may write
+            return self._join(fqns)
+
+    def _join(self, fqns: Sequence[str]) -> PoolGroup:
         key = tuple(fqns)
         if key in self.groups:
             return self.groups[key]

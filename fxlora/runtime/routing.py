@@ -299,7 +299,8 @@ class Router:
         if slot_ids is None:
             return self._run(self.instances.traced, "nolora", args)
         selection.graph_breaks = self.graph_breaks
-        variants = self.instances.of(args)
+        with self.lock:  # building another instance's variants runs the passes, which share the backend's records
+            variants = self.instances.of(args)
         if variants is None:  # the instance's modules have no name: none of its LoRA runs
             selection.unknown = True
             return self._run(self.instances.traced, "nolora", args)
