@@ -16,7 +16,9 @@ from fxlora.testing import (
     assert_matches_decomposition,
     assert_matches_peft,
     make_adapter,
+    peft_model_with,
     quantized_model,
+    reference_generate,
     tiny_model,
 )
 
@@ -173,6 +175,29 @@ def test_bitsandbytes_8bit_linears_are_refused_at_compile_time(llama, tmp_path):
     model = bitsandbytes_model(llama, tmp_path, load_in_8bit=True)
     with pytest.raises(fxlora.QuantizationError, match=r"quantised \(bitsandbytes\).*\(Linear8bitLt, weight Int8Params"):
         fxlora.compile(model, adapters=adapters_for(llama, ["q_proj"]), max_loras=2, max_rank=8)
+
+
+@pytest.mark.parametrize("base", ["torchao int8", "bitsandbytes nf4"])
+def test_greedy_generation_on_a_quantised_base_matches_peft(base, llama, wide_llama, tmp_path):
+    """Batched greedy generate, rows of different adapters and none, token for token against
+    transformers' generate with PEFT over the same quantised base, one row at a time."""
+    torch._dynamo.reset()
+    if base == "torchao int8":
+        source = llama
+        model = oracle_base = quantized_model(llama, quant_type("int8"))
+    else:
+        source = wide_llama
+        nf4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+        model = bitsandbytes_model(wide_llama, tmp_path, **nf4)
+        oracle_base = bitsandbytes_model(wide_llama, tmp_path, warm=False, **nf4)
+    adapters = adapters_for(source, ["q_proj", "v_proj", "down_proj"])
+    cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8, max_batch_size=4, max_len=24)
+    batch = inputs()
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    tokens = cm.generate(ids, mask, adapter_names=NAMES, max_new_tokens=6, eos_token_id=2, pad_token_id=0)
+    peft = peft_model_with(oracle_base, adapters)
+    want = reference_generate(model, peft, NAMES, ids, mask, 6, 2, 0)
+    assert torch.equal(tokens[:, -6:], want)
 
 
 def test_a_packed_weight_of_another_method_is_refused_at_compile_time(llama):
