@@ -328,9 +328,9 @@ def _check_experts_gates(model: torch.nn.Module, pool: AdapterPool) -> None:
         try:
             choose_layout(model.get_submodule(owner))
         except NotServed as why:
-            users = sorted(n for n, a in pool.adapters.items() if a.modules.keys() & set(fqns))
-            by = f" (adapter(s) {users})" if users else " (target_modules)"
-            raise AdapterError(f"experts module {owner!r} is targeted{by}, but {why}: fxlora cannot serve LoRA on it") from None
+            raise AdapterError(
+                f"experts module {owner!r} is targeted ({pool.targeted_by(fqns)}), but {why}: fxlora cannot serve LoRA on it"
+            ) from None
 
 
 def own_code_object(model: torch.nn.Module) -> Callable[..., Any]:

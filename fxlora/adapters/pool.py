@@ -276,9 +276,9 @@ class AdapterPool:
         new = {fqn: info for fqn, info in modules.items() if fqn not in self.modules}
         for fqn, info in new.items():
             if info.unshardable is not None and self.wants(fqn, info):
-                users = sorted(a.name for a in self.adapters.values() if fqn in a.modules)
-                by = f"adapter(s) {users}" if users else "target_modules"
-                raise ShardingError(f"module {fqn!r} is targeted ({by}), but {info.unshardable}: fxlora cannot split its LoRA")
+                raise ShardingError(
+                    f"module {fqn!r} is targeted ({self.targeted_by([fqn])}), but {info.unshardable}: fxlora cannot split its LoRA"
+                )
         for adapter in self.adapters.values():
             for fqn in adapter.modules.keys() & new.keys():
                 self._check_module(adapter, fqn, new[fqn])
@@ -465,6 +465,13 @@ class AdapterPool:
             else:
                 raise AdapterError(f"unknown adapter {name!r} in adapter_names; loaded: {sorted(self.adapters)}")
         return slots
+
+    def targeted_by(self, fqns: Iterable[str]) -> str:
+        """What targets these modules, for messages: the loaded adapters with LoRA on any of
+        them, or ``target_modules``."""
+        fqns = set(fqns)
+        users = sorted(name for name, a in self.adapters.items() if a.modules.keys() & fqns)
+        return f"adapter(s) {users}" if users else "target_modules"
 
     def modules_of(self, adapter_names: Iterable[str]) -> set[str]:
         """The target modules these loaded adapters change."""
