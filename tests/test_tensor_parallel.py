@@ -116,6 +116,7 @@ CASES = {
             "c": LoraConfig(r=6, lora_alpha=6, target_modules=[*DENSE, "lm_head"]),
         },
         target_modules=[*DENSE, "lm_head"],
+        intermediate_size=49,  # gate/up and down_proj split unevenly: 25 features on one rank, 24 on the other
     ),
     # a Qwen3-MoE-shaped model: the experts sharded over their intermediate features (gate_up's
     # halves each split, down_proj split by input), the router replicated; PEFT's all-linear
@@ -164,7 +165,7 @@ def peft_rows(model, directory: Path, names: list[str | None], ids: torch.Tensor
 def case(request, tmp_path_factory):
     spec = CASES[request.param]
     directory = tmp_path_factory.mktemp(f"tp-{request.param}")
-    model = tiny_model(spec["family"], seed=5, intermediate_size=48)
+    model = tiny_model(spec["family"], seed=5, intermediate_size=spec.get("intermediate_size", 48))
     model.save_pretrained(directory / "model")
     for i, (name, config) in enumerate(spec["adapters"].items()):
         make_adapter(model, config, seed=10 + i, directory=str(directory / name), scale=0.3)
@@ -206,6 +207,14 @@ def test_every_target_is_served_on_every_rank(case):
             assert "fxlora::lora_linear_fused" in report["ops"]  # (older transformers break the graph)
         assert ("fxlora::moe_lora" in report["ops"]) == name.startswith("moe")
         assert "note: tensor parallel: rank" in report["explain"] and "Not served:\n  nothing" in report["explain"]
+
+
+def test_an_uneven_split_gives_the_ranks_slices_of_different_widths(case):
+    name, ranks, _, _ = case
+    if name != "dense":
+        pytest.skip("the dense case splits 49 features")
+    widths = {report["local_out"]["model.layers.0.mlp.gate_proj"] for _, report in ranks}
+    assert widths == {25, 24}
 
 
 def test_generate_on_two_ranks_matches_one_process_and_peft(case):

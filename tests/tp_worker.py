@@ -73,6 +73,7 @@ def main(directory: str) -> None:
         report["ops"] = sorted(set(cm.backend.rewritten.values()))
         report["explain"] = cm.explain()
         report["graphs"] = cm.compile_count
+        report["local_out"] = {fqn: t.info.out_features for fqn, t in cm.pool.targets.items()}
         out["generated"] = cm.generate(
             inputs["ids"], adapter_names=script["generate"], max_new_tokens=script["max_new_tokens"]
         )
