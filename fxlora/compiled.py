@@ -48,6 +48,7 @@ class CompiledModel(torch.nn.Module):
         self._runtime_options = dict(runtime_options)
         self._runtime: DecodeRuntime | None = None
         self._device = next(model.parameters()).device
+        self._group = sharding.process_group(model)  # the tensor-parallel ranks' group, or None
 
     @property
     def pool(self) -> AdapterPool:
@@ -144,11 +145,11 @@ class CompiledModel(torch.nn.Module):
     def load_adapter(self, name: str, source: AdapterSource) -> None:
         """Load an adapter into a free slot: graphs are not retraced. On any error nothing
         changes."""
-        if sharding.process_group(self.model) is None:
-            load(self.pool, self.model, name, source)
+        if self._group is None:
+            load(self.pool, self.model, name, source, None)
             return
         with self._backend.lock:  # the ranks' agreement must not interleave with a call's collectives
-            load(self.pool, self.model, name, source)
+            load(self.pool, self.model, name, source, self._group)
 
     def unload_adapter(self, name: str) -> None:
         self.pool.unload(name)
@@ -268,18 +269,14 @@ def compile(
         target_modules,
         output_embedding=next((n for n, m in model.named_modules() if m is output_head), None),
     )
-    for name, source in adapters.items():
-        load(pool, model, name, source)
     group = sharding.process_group(model)
-    try:
+    for name, source in adapters.items():
+        load(pool, model, name, source, group)
+    with sharding.one_outcome(group):  # a tensor-parallel model: every rank fails, or none does
         modules = model_modules(model)
         quantized = check_quantized(model, pool, modules)  # before the pool compares weights it cannot read
         pool.register_modules(modules, complete=True)
         _check_experts_gates(model, pool)
-    except Exception as e:  # noqa: BLE001 - a tensor-parallel model: every rank fails, or none does
-        sharding.agree(e, group)
-        raise
-    sharding.agree(None, group)
     config = getattr(model, "config", None)
     if (
         getattr(config, "_experts_implementation", None) in (None, "eager")
@@ -305,15 +302,11 @@ def compile(
     return CompiledModel(model, backend, compiled, runtime)
 
 
-def load(pool: AdapterPool, model: torch.nn.Module, name: str, source: AdapterSource) -> None:
-    """Read, place and load one adapter. On a tensor-parallel model every rank loads it or
-    none does: a rank that fails tells the others, which raise too."""
-    group = sharding.process_group(model)
-    try:
+def load(pool: AdapterPool, model: torch.nn.Module, name: str, source: AdapterSource, group: object | None) -> None:
+    """Read, place and load one adapter. With the ``group`` of a tensor-parallel model every
+    rank loads it or none does: a rank that fails tells the others, which raise too."""
+    with sharding.one_outcome(group):
         adapter = placement.resolve(read_adapter(name, source), model)
-    except Exception as e:  # noqa: BLE001 - whatever failed here, the other ranks must hear of it
-        sharding.agree(e, group)
-        raise
     pool.load(adapter, group)
 
 

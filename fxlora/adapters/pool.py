@@ -370,12 +370,8 @@ class AdapterPool:
         """Copy ``adapter`` into a free slot; checks everything before writing anything. With
         the process ``group`` of a tensor-parallel model, every rank writes or none does."""
         with self._lock:
-            try:
+            with sharding.one_outcome(group):
                 slot = self._check_load(adapter)
-            except Exception as e:  # noqa: BLE001 - whatever failed here, the other ranks must hear of it
-                sharding.agree(e, group)
-                raise
-            sharding.agree(None, group)
             self._write(slot, adapter)
             self.adapters[adapter.name], self.slot_of[adapter.name] = adapter, slot
         log.info("loaded adapter %r into slot %d", adapter.name, slot)

@@ -25,7 +25,7 @@ from fxlora.adapters import experts
 from fxlora.adapters.pool import AdapterPool, ModuleInfo
 from fxlora.errors import QuantizationError
 
-SERVED_METHODS = ("torchao", "bitsandbytes")
+SERVED_METHODS = ("torchao",)
 
 
 @dataclass(frozen=True)

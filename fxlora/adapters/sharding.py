@@ -18,13 +18,15 @@ split alike (``_StridedShard``), ``down_proj`` row-parallel. Experts split betwe
 (expert parallelism, ``ep_size``: each rank holds whole experts, and the module's all-reduce
 sums what each rank's experts computed) keep those experts' factors.
 
-Every rank validates an adapter on its own; :func:`agree` makes a load fail on every rank or
-on none.
+Every rank validates an adapter on its own; :func:`one_outcome` makes a load (or a compile's
+checks) fail on every rank or on none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -179,6 +181,19 @@ def agree(error: Exception | None, group: object | None) -> None:
 
 
 MESSAGE_BYTES = 2048
+
+
+@contextlib.contextmanager
+def one_outcome(group: object | None) -> Iterator[None]:
+    """Run the block on every rank of ``group`` and :func:`agree` on how it ended: an error on
+    any rank raises on every rank; otherwise every rank goes on. Without a group, nothing is
+    added."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - whatever failed here, the other ranks must hear of it
+        agree(e, group)
+        raise  # agree raised already; this line is for readers and linters
+    agree(None, group)
 
 
 def type_of(message: str) -> type[Exception]:
