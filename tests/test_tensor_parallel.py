@@ -4,24 +4,19 @@ logits and tokens equal the single-process fxlora run and the PEFT oracle.
 
 Each case saves a tiny model and PEFT adapters to a temporary directory, runs the same script
 in one process (the expectation) and on two ranks (``tests/tp_worker.py``), and compares.
-The ranks run as a subprocess with a hard time limit, in a process group of their own that
-the test ends whatever happens (``torch.distributed.run`` starts its workers in sessions of
-their own, and a rank that waits in a collective for one that failed waits for gloo's timeout).
+The ranks run under ``tests/ranks.py``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig
-from safetensors.torch import load_file, save_file
+from ranks import run_ranks
+from safetensors.torch import save_file
 
 import fxlora
 from fxlora.testing import RTOL, make_adapter, peft_model_with, reference_generate, tiny_model
@@ -29,53 +24,7 @@ from fxlora.testing import RTOL, make_adapter, peft_model_with, reference_genera
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
 WORKER = Path(__file__).with_name("tp_worker.py")
-LIMIT_S = 300
 DENSE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def run_ranks(directory: Path, ranks: int = 2) -> list[tuple[dict[str, torch.Tensor], dict]]:
-    """Each rank's tensors and report; fails with the ranks' output if they did not finish."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(WORKER), str(directory)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        output = ""
-    finally:
-        _end(proc)
-        for pid in _pids(directory):
-            _kill(pid)
-    if proc.returncode != 0:
-        pytest.fail(f"the ranks failed (exit {proc.returncode}):\n{output[-6000:]}")
-    return [(load_file(directory / f"rank{r}.safetensors"), json.loads((directory / f"rank{r}.json").read_text())) for r in range(ranks)]
-
-
-def _end(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def _pids(directory: Path) -> list[int]:
-    """Workers that outlived their launcher: processes whose command line names ``directory``."""
-    found = []
-    for entry in Path("/proc").iterdir() if Path("/proc").exists() else []:
-        try:
-            if entry.name.isdigit() and str(directory) in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def single_process(model, directory: Path, script: dict, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -189,7 +138,7 @@ def case(request, tmp_path_factory):
         oracle = {key: peft_rows(model, directory, script[key], ids) for key in ("first", "loaded", "unloaded")}
     peft = peft_model_with(model, {n: str(directory / n) for n in ("b", "c")})
     oracle["generated"] = reference_generate(model, peft, script["generate"], ids, None, 5, None, 0)
-    return request.param, run_ranks(directory), expected, oracle
+    return request.param, run_ranks(WORKER, directory), expected, oracle
 
 
 def test_mixed_batches_on_two_ranks_match_one_process_and_peft(case):

@@ -5,9 +5,9 @@ Loads the model saved in ``DIR/model`` sharded with transformers' own plan, comp
 the adapters ``DIR/a`` and ``DIR/b``, and runs the script ``DIR/script.json`` names: mixed
 batches, a load, an unload, a load that fails on one rank only, a ``generate``, and a compile
 with an adapter on the embedding. Each
-rank writes what it saw to ``DIR/rank<N>.safetensors`` and ``DIR/rank<N>.json``.
+rank writes what it saw to ``RESULTS/rank<N>.safetensors`` and ``RESULTS/rank<N>.json``.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py DIR
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py DIR RESULTS
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def distributed_config(options: dict) -> DistributedConfig:
     return DistributedConfig(**options)
 
 
-def main(directory: str) -> None:
+def main(directory: str, results: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     script = json.load(open(f"{directory}/script.json"))
@@ -85,11 +85,11 @@ def main(directory: str) -> None:
         report["embedding"] = "compiled"
     except Exception as e:  # noqa: BLE001 - the test reads what was raised
         report["embedding"] = f"{type(e).__name__}: {e}"
-    save_file({k: v.contiguous() for k, v in out.items()}, f"{directory}/rank{rank}.safetensors")
-    json.dump(report, open(f"{directory}/rank{rank}.json", "w"))
+    save_file({k: v.contiguous() for k, v in out.items()}, f"{results}/rank{rank}.safetensors")
+    json.dump(report, open(f"{results}/rank{rank}.json", "w"))
     dist.barrier()  # no rank tears its group down while another's last collective is in flight
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

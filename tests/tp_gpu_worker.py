@@ -1,0 +1,111 @@
+"""One rank of the two-GPU tensor-parallel tests (``tests/test_gpu_tensor_parallel.py``):
+NCCL, bf16, the model in ``DIR/model`` sharded with transformers' own plan. With one rank it
+is the single-GPU run of the same script, the expectation.
+
+The script (``DIR/script.json``): a mixed prefill over every adapter, decode steps replayed
+from the captured graphs of both variants under changing adapter assignments (with CUDA's
+sync debug mode set to error: a replayed step never waits on the host), a greedy
+``generate`` and the same with an end token under that mode, and, where
+``DIR/forced.safetensors`` holds another run's tokens, this run's logits over them.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_gpu_worker.py DIR RESULTS
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+
+import fxlora
+
+
+def load_model(directory: str, world: int) -> torch.nn.Module:
+    if world == 1:
+        return AutoModelForCausalLM.from_pretrained(f"{directory}/model", dtype=torch.bfloat16).cuda().eval()
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
+    config = DistributedConfig(tp_plan="auto")
+    return AutoModelForCausalLM.from_pretrained(f"{directory}/model", distributed_config=config, dtype=torch.bfloat16).eval()
+
+
+def decode_state(rt, gen: torch.Generator, vocab: int) -> None:
+    """Random tokens, positions, visible columns and write column: the same on every rank."""
+    rows, cols = rt.max_batch_size, rt.max_len
+    rt.ids.copy_(torch.randint(3, vocab, (rows, 1), generator=gen))
+    rt.positions.copy_(torch.randint(0, cols - 1, (rows, 1), generator=gen))
+    visible = torch.rand(rows, 1, 1, cols, generator=gen) < 0.7
+    visible[..., 0] = True
+    rt.mask.copy_(torch.where(visible, 0.0, torch.finfo(rt.dtype).min))
+    rt.column.fill_(int(torch.randint(0, cols, (), generator=gen)))
+
+
+def main(directory: str, results: str) -> None:
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    script = json.load(open(f"{directory}/script.json"))
+    ids = load_file(f"{directory}/inputs.safetensors")["ids"].cuda()
+    model = load_model(directory, world)
+    cm = fxlora.compile(
+        model,
+        {name: f"{directory}/{name}" for name in script["adapters"]},
+        max_loras=len(script["adapters"]),
+        max_rank=16,
+        max_batch_size=script["rows"],
+        max_len=script["max_len"],
+        batch_buckets=script["buckets"],
+    )
+    vocab = model.config.vocab_size
+    out, report = {}, {"world": world}
+    with torch.no_grad():
+        out["prefill"] = cm(input_ids=ids, adapter_names=script["prefill"]).logits.float()
+
+        rt = cm.prepare()
+        report["graphs"] = sorted(f"{variant}-{rows}" for variant, rows in rt.graphs.graphs)
+        report["fallback"] = rt.graphs.fallback_reason
+        gen = torch.Generator().manual_seed(0)
+        for step, names in enumerate(script["decode"]):
+            decode_state(rt, gen, vocab)
+            rt.slot_ids.fill_(-1)
+            rt.slot_ids[: len(names)].copy_(torch.tensor(cm.pool.slot_ids(names), dtype=torch.int32))
+            bucket = rt.bucket_for(len(names))
+            for variant in ("lora", "nolora"):
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    logits = rt.graphs.run((variant, bucket), rt._decode)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                out[f"decode{step}-{variant}"] = logits[: len(names)].float()
+
+        new = script["max_new_tokens"]
+        out["generated"] = cm.generate(ids, adapter_names=script["prefill"], max_new_tokens=new, eos_token_id=())
+        eos = int(out["generated"][0, ids.shape[1] + new // 2])  # row 0 ends half-way, the others go on
+        expected = cm.generate(ids, adapter_names=script["prefill"], max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out["ended"] = cm.generate(ids, adapter_names=script["prefill"], max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        report["ended_as_without_sync_checks"] = torch.equal(out["ended"], expected)
+
+        if os.path.exists(f"{directory}/forced.safetensors"):
+            forced = load_file(f"{directory}/forced.safetensors")["tokens"].cuda()
+            out["forced"] = cm(input_ids=forced, adapter_names=script["prefill"]).logits.float()
+        report["explain"] = cm.explain()
+    save_file({k: v.contiguous().cpu() for k, v in out.items()}, f"{results}/rank{rank}.safetensors")
+    json.dump(report, open(f"{results}/rank{rank}.json", "w"))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
