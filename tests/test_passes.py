@@ -10,6 +10,7 @@ from fxlora.compiler import PassContext, run_pipeline
 from fxlora.compiler.annotate import annotate, module_fqn
 from fxlora.compiler.batch_info import SLOT_IDS, batch_info
 from fxlora.compiler.fuse import MAX_MEMBERS
+from fxlora.compiler.graph_edit import parameter_read
 from fxlora.compiler.lora_delta import lora_delta
 from fxlora.compiler.lora_embedding import lora_embedding
 from fxlora.compiler.lora_linear import lora_linear
@@ -297,3 +298,20 @@ def test_rows_a_flattening_hides_are_not_served():
                            r"cannot tell which of its input's token dimensions \(s\d+\*s\d+,\) hold the batch's s\d+ rows"):
             cm(ids, adapter_names=["a", None, "b"])
     assert cm.backend.rewritten == {"emb": "fxlora::lora_embedding"}
+
+
+def test_a_parameter_read_follows_the_local_shard_in_both_traced_forms():
+    """``w.to_local().float()`` reads ``w``: Dynamo traces ``to_local`` as a method call, or
+    (before torch 2.13) as a call of a function of its own named ``prim_to_local``."""
+
+    def prim_to_local(x):
+        return x
+
+    graph = torch.fx.Graph()
+    w = graph.placeholder("w")
+    method = graph.call_method("float", (graph.call_method("to_local", (w,)),))
+    function = graph.call_method("float", (graph.call_function(prim_to_local, (w,)),))
+    computed = graph.call_function(torch.neg, (w,))
+    for node in (method, function):
+        assert parameter_read(node) == [w, node.args[0], node]
+    assert parameter_read(computed) is None

@@ -27,6 +27,16 @@ CASTS = {"type", "to", "float", "double", "half", "bfloat16"}
 LOCAL_SHARD = "to_local"
 
 
+def is_local_shard(node: Any) -> bool:
+    """Whether ``node`` reads a DTensor's local shard: ``x.to_local()`` as Dynamo traces it, a
+    method call, or before torch 2.13 a call of a function of its own named ``prim_to_local``."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_method":
+        return node.target == LOCAL_SHARD
+    return node.op == "call_function" and getattr(node.target, "__name__", None) == f"prim_{LOCAL_SHARD}"
+
+
 def base_calls(
     gm: fx.GraphModule,
     ctx: PassContext,
@@ -105,7 +115,7 @@ def parameter_read(node: Any) -> list[fx.Node] | None:
     each cast (:data:`CASTS`, :data:`LOCAL_SHARD`) up to ``node`` — or None when ``node``
     is a tensor computed in the graph. Such a read may move earlier in the graph."""
     chain = []
-    while isinstance(node, fx.Node) and node.op == "call_method" and (node.target in CASTS or node.target == LOCAL_SHARD):
+    while isinstance(node, fx.Node) and ((node.op == "call_method" and node.target in CASTS) or is_local_shard(node)):
         chain.append(node)
         node = node.args[0]
     if not (isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")):

@@ -37,9 +37,9 @@ from fxlora.compiler.batch_info import batch_info_for, row_dim
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.experts_probe import choose_layout, prove_region
 from fxlora.compiler.graph_edit import (
-    LOCAL_SHARD,
     fake_value,
     input_values,
+    is_local_shard,
     meta_value,
     module_region,
     parameter_read,
@@ -79,7 +79,7 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
     layout = choose_layout(module)
     # under tensor parallelism: the parameters' local shards stay (the op reads them) and so
     # does the reduction of the ranks' partial outputs, which then carries the op's output
-    region = [n for n in region if not (n.op == "call_method" and n.target == LOCAL_SHARD and parameter_read(n))]
+    region = [n for n in region if not (is_local_shard(n) and parameter_read(n))]
     region, _ = split_reduction(region)
     outputs = region_outputs(region)
     if len(outputs) != 1:
