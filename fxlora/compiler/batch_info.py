@@ -60,9 +60,27 @@ def slot_ids_placeholder(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, 
     with where:
         node = gm.graph.placeholder(SLOT_IDS)
     batch = _batch_placeholder(gm, ctx)
-    source, dim = (batch, 0) if batch is not None else (tokens, rows_at)
-    fake_value(node, lambda t: torch.empty(t.shape[dim], dtype=torch.int32, device=t.device), source)
+    if batch is not None:
+        fake_value(node, lambda t: torch.empty(t.shape[0], dtype=torch.int32, device=t.device), batch)
+    else:  # rows the graph cannot see: a size of their own, which tokens may hold flattened
+        fake_value(node, lambda t: torch.empty(_free_size(t, rows_at), dtype=torch.int32, device=t.device), tokens)
     return node
+
+
+def _free_size(like: torch.Tensor, dim: int) -> int | torch.SymInt:
+    """A new dynamic size in the trace's shape environment, hinted by ``like.shape[dim]`` (that
+    size itself where the trace has no shape environment): the slot ids of a graph resumed
+    after a graph break number the batch's rows, which its tokens need not show."""
+    env = like.fake_mode.shape_env
+    if env is None:
+        return like.shape[dim]
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    size = like.shape[dim]
+    hint, source = size if isinstance(size, int) else size.node.hint, ConstantSource(f"{SLOT_IDS}_rows")
+    symbol = env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
+    return env.create_symintnode(symbol, hint=hint, source=source)
 
 
 def batch_info_for(
