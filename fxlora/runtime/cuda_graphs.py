@@ -33,7 +33,7 @@ class GraphSet:
         self.device = device
         self.enabled = enabled is not False and device.type == "cuda"
         # turned off by the caller: nothing to warn about; asked for (or by default) on CPU: say so
-        self.fallback_reason = None if enabled is False else f"the model is on {device}, not CUDA"
+        self.fallback_reason = None if enabled is False or self.enabled else f"the model is on {device}, not CUDA"
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._calls: dict[Hashable, _Captured] = {}
         self._refused: set[Hashable] = set()
