@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,13 +40,21 @@ def run_ranks(
     try:
         output, _ = proc.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
-        output = f"(stopped after {limit_s} s)"
+        # ranks that registered faulthandler on SIGUSR1 print where they wait
+        for pid in _pids(directory):
+            _kill(pid, signal.SIGUSR1)
+        time.sleep(5)
+        for pid in _pids(directory):
+            _kill(pid)
+        _end(proc)
+        output, _ = proc.communicate(timeout=30)
+        output += f"\n(stopped after {limit_s} s)"
     finally:
         _end(proc)
         for pid in _pids(directory):
             _kill(pid)
     if proc.returncode != 0:
-        pytest.fail(f"the ranks failed (exit {proc.returncode}):\n{output[-6000:]}")
+        pytest.fail(f"the ranks failed (exit {proc.returncode}):\n{output[-12000:]}")
     return [(load_file(out / f"rank{r}.safetensors"), json.loads((out / f"rank{r}.json").read_text())) for r in range(ranks)]
 
 
@@ -58,19 +67,20 @@ def _end(proc: subprocess.Popen) -> None:
 
 
 def _pids(directory: Path) -> list[int]:
-    """Workers that outlived their launcher: processes whose command line names ``directory``."""
+    """The ranks (not their launcher): processes whose command line names ``directory``."""
     found = []
     for entry in Path("/proc").iterdir() if Path("/proc").exists() else []:
         try:
-            if entry.name.isdigit() and str(directory) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            if entry.name.isdigit() and str(directory) in cmdline and "torch.distributed.run" not in cmdline:
                 found.append(int(entry.name))
         except OSError:
             continue
     return found
 
 
-def _kill(pid: int) -> None:
+def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
     except ProcessLookupError:
         pass

@@ -94,8 +94,8 @@ CASES["phi3"] = dict(
     fused=False,  # q/k/v and gate/up are one linear each: nothing to fuse
 )
 # the same MoE model with its experts split between the ranks (expert parallelism), the rest
-# tensor-parallel as above
-CASES["moe-ep"] = dict(CASES["moe"], distributed={"tp_size": 2, "ep_size": 2})
+# tensor-parallel as above; both variants compiled by Inductor, as on CUDA
+CASES["moe-ep"] = dict(CASES["moe"], distributed={"tp_size": 2, "ep_size": 2}, inner="inductor")
 
 
 def peft_rows(model, directory: Path, names: list[str | None], ids: torch.Tensor) -> torch.Tensor:
@@ -122,6 +122,7 @@ def case(request, tmp_path_factory):
     make_adapter(model, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), seed=9, directory=str(directory / "e"))
     script = {
         "distributed": spec.get("distributed", {"tp_plan": "auto"}),
+        "inner": spec.get("inner", "eager"),
         "adapters": ["a", "b"],
         "target_modules": spec["target_modules"],
         "first": ["a", None, "b", "a"],

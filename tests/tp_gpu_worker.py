@@ -14,9 +14,13 @@ sync debug mode set to error: a replayed step never waits on the host), a greedy
 from __future__ import annotations
 
 import datetime
+import faulthandler
+import gc
 import json
 import os
+import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,12 +50,21 @@ def decode_state(rt, gen: torch.Generator, vocab: int) -> None:
     rt.column.fill_(int(torch.randint(0, cols, (), generator=gen)))
 
 
+START = time.perf_counter()
+
+
+def stage(what: str) -> None:
+    print(f"[rank {os.environ['RANK']} {time.perf_counter() - START:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def main(directory: str, results: str) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's launcher asks where a rank waits
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     script = json.load(open(f"{directory}/script.json"))
     ids = load_file(f"{directory}/inputs.safetensors")["ids"].cuda()
     model = load_model(directory, world)
+    stage("loaded")
     cm = fxlora.compile(
         model,
         {name: f"{directory}/{name}" for name in script["adapters"]},
@@ -61,12 +74,15 @@ def main(directory: str, results: str) -> None:
         max_len=script["max_len"],
         batch_buckets=script["buckets"],
     )
+    stage("compiled")
     vocab = model.config.vocab_size
     out, report = {}, {"world": world}
     with torch.no_grad():
         out["prefill"] = cm(input_ids=ids, adapter_names=script["prefill"]).logits.float()
 
+        stage("prefill done")
         rt = cm.prepare()
+        stage("decode graphs captured")
         report["graphs"] = sorted(f"{variant}-{rows}" for variant, rows in rt.graphs.graphs)
         report["fallback"] = rt.graphs.fallback_reason
         gen = torch.Generator().manual_seed(0)
@@ -84,6 +100,7 @@ def main(directory: str, results: str) -> None:
                     torch.cuda.set_sync_debug_mode("default")
                 out[f"decode{step}-{variant}"] = logits[: len(names)].float()
 
+        stage("replays done")
         new = script["max_new_tokens"]
         out["generated"] = cm.generate(ids, adapter_names=script["prefill"], max_new_tokens=new, eos_token_id=())
         eos = int(out["generated"][0, ids.shape[1] + new // 2])  # row 0 ends half-way, the others go on
@@ -96,6 +113,7 @@ def main(directory: str, results: str) -> None:
             torch.cuda.set_sync_debug_mode("default")
         report["ended_as_without_sync_checks"] = torch.equal(out["ended"], expected)
 
+        stage("generate done")
         if os.path.exists(f"{directory}/forced.safetensors"):
             forced = load_file(f"{directory}/forced.safetensors")["tokens"].cuda()
             out["forced"] = cm(input_ids=forced, adapter_names=script["prefill"]).logits.float()
@@ -103,9 +121,17 @@ def main(directory: str, results: str) -> None:
     save_file({k: v.contiguous().cpu() for k, v in out.items()}, f"{results}/rank{rank}.safetensors")
     json.dump(report, open(f"{results}/rank{rank}.json", "w"))
     if world > 1:
+        # the captured graphs hold NCCL work: they go before the communicators do
+        del rt, cm
+        gc.collect()
+        torch.cuda.synchronize()
         dist.barrier()
         dist.destroy_process_group()
+    stage("done")
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # past this point only teardown is left, which has been seen to hang after NCCL graph captures

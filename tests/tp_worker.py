@@ -13,8 +13,10 @@ rank writes what it saw to ``RESULTS/rank<N>.safetensors`` and ``RESULTS/rank<N>
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import inspect
 import json
+import signal
 import sys
 
 import torch
@@ -39,6 +41,7 @@ def distributed_config(options: dict) -> DistributedConfig:
 
 
 def main(directory: str, results: str) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's launcher asks where a rank waits
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     script = json.load(open(f"{directory}/script.json"))
@@ -53,6 +56,7 @@ def main(directory: str, results: str) -> None:
         target_modules=script["target_modules"],
         max_batch_size=4,
         max_len=32,
+        inner=script["inner"],
     )
     out, report = {}, {}
     with torch.no_grad():
