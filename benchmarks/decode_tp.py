@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -100,6 +101,9 @@ def worker(directory: str, model_name: str, batches: list[int], out: str) -> Non
         with open(out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     if world > 1:
+        del rt, cm  # the captured graphs hold NCCL work: they go before the communicators do
+        gc.collect()
+        torch.cuda.synchronize()
         dist.barrier()
         dist.destroy_process_group()
 
@@ -117,7 +121,7 @@ def launch(args: argparse.Namespace, batches: list[int]) -> None:
             out = os.path.join(directory, f"tp{tp}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", __file__,
                    "--worker", directory, "--model", args.model, "--batches", ",".join(map(str, batches)), "--out", out]  # fmt: skip
-            subprocess.run(cmd, check=True, env={**os.environ, **NCCL_ENV})
+            subprocess.run(cmd, check=True, env={**os.environ, **NCCL_ENV}, timeout=400)
             runs[tp] = json.load(open(out))
     print(f"{'batch':>5} {'tp':>3} {'nolora us':>10} {'lora us':>9} {'lora/nolora':>11} {'lora tok/s':>10} {'tp2/tp1 tok/s':>13}")
     table = []
@@ -156,6 +160,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.model, [int(b) for b in args.batches.split(",")], args.out)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # only teardown is left, which has been seen to hang after NCCL graph captures
     else:
         launch(args, [1, 32] if args.quick else [1, 32, 128])
 
