@@ -111,10 +111,9 @@ def peft_rows(model, directory: Path, names: list[str | None], ids: torch.Tensor
     return out
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request, tmp_path_factory):
-    spec = CASES[request.param]
-    directory = tmp_path_factory.mktemp(f"tp-{request.param}")
+def _run_case(case_name: str, tmp_path_factory) -> tuple:
+    spec = CASES[case_name]
+    directory = tmp_path_factory.mktemp(f"tp-{case_name}")
     model = tiny_model(spec["family"], seed=5, intermediate_size=spec.get("intermediate_size", 48))
     model.save_pretrained(directory / "model")
     for i, (name, config) in enumerate(spec["adapters"].items()):
@@ -139,10 +138,10 @@ def case(request, tmp_path_factory):
         oracle = {key: peft_rows(model, directory, script[key], ids) for key in ("first", "loaded", "unloaded")}
     peft = peft_model_with(model, {n: str(directory / n) for n in ("b", "c")})
     oracle["generated"] = reference_generate(model, peft, script["generate"], ids, None, 5, None, 0)
-    return request.param, run_ranks(WORKER, directory), expected, oracle
+    return case_name, run_ranks(WORKER, directory), expected, oracle
 
 
-def test_mixed_batches_on_two_ranks_match_one_process_and_peft(case):
+def check_mixed_batches_match_one_process_and_peft(case):
     _, ranks, expected, oracle = case
     for rank, (out, _) in enumerate(ranks):
         for key in ("first", "loaded", "unloaded"):
@@ -150,7 +149,7 @@ def test_mixed_batches_on_two_ranks_match_one_process_and_peft(case):
             assert close(out[key], oracle[key]) < RTOL[torch.float32], (rank, key)
 
 
-def test_every_target_is_served_on_every_rank(case):
+def check_every_target_is_served_on_every_rank(case):
     name, ranks, _, _ = case
     for fqn, widths in CASES[name].get("widths", {}).items():  # each rank's slice, as the plan split it
         assert {report["local_out"][fqn] for _, report in ranks} == widths
@@ -162,14 +161,14 @@ def test_every_target_is_served_on_every_rank(case):
         assert "note: tensor parallel: rank" in report["explain"] and "Not served:\n  nothing" in report["explain"]
 
 
-def test_generate_on_two_ranks_matches_one_process_and_peft(case):
+def check_generate_matches_one_process_and_peft(case):
     _, ranks, expected, oracle = case
     for out, _ in ranks:
         assert torch.equal(out["generated"], expected["generated"])
         assert torch.equal(out["generated"][:, -5:], oracle["generated"])
 
 
-def test_a_load_one_rank_fails_changes_nothing_on_any_rank(case):
+def check_a_load_one_rank_fails_changes_nothing_on_any_rank(case):
     name, ranks, _, _ = case
     (_, first), (_, second) = ranks
     assert first["unchanged"] and second["unchanged"]
@@ -177,7 +176,7 @@ def test_a_load_one_rank_fails_changes_nothing_on_any_rank(case):
     assert first["failed_load"].startswith("AdapterError") and "rank 1 failed" in first["failed_load"]
 
 
-def test_an_adapter_on_a_sharded_embedding_is_refused_naming_it(case):
+def check_an_adapter_on_a_sharded_embedding_is_refused_naming_it(case):
     _, ranks, _, _ = case
     for _, report in ranks:
         if not report["embedding_sharded"]:  # transformers' plan before 5.2x leaves it whole
@@ -186,3 +185,14 @@ def test_an_adapter_on_a_sharded_embedding_is_refused_naming_it(case):
         assert report["embedding"].startswith("ShardingError: module 'model.embed_tokens' is targeted")
         assert "Shard(dim=0)" in report["embedding"] and "tensor-parallel embedding" in report["embedding"]
         assert "tp_plan entry" in report["embedding"] and "embedding_rowwise" in report["embedding"]
+
+
+@pytest.mark.parametrize("case_name", sorted(CASES))
+def test_two_ranks_serve_the_sharded_model(case_name, tmp_path_factory):
+    """One launch of the ranks per case (a minute or more on CPU), every check on it."""
+    case = _run_case(case_name, tmp_path_factory)
+    check_mixed_batches_match_one_process_and_peft(case)
+    check_every_target_is_served_on_every_rank(case)
+    check_generate_matches_one_process_and_peft(case)
+    check_a_load_one_rank_fails_changes_nothing_on_any_rank(case)
+    check_an_adapter_on_a_sharded_embedding_is_refused_naming_it(case)

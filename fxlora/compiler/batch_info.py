@@ -51,7 +51,7 @@ _REORDERING = {
 def slot_ids_placeholder(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, rows_at: int) -> fx.Node:
     """The graph's slot-ids input, made on first use with the traced value of one id per row
     (an inner compiler traces the graph again from these values): as many as the batch input
-    has rows, or else as ``tokens`` has along ``rows_at``."""
+    has rows, or else a count of their own (:func:`_free_size`)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n in placeholders:
         if n.target == SLOT_IDS:
@@ -71,14 +71,14 @@ def _free_size(like: torch.Tensor, dim: int) -> int | torch.SymInt:
     """A new dynamic size in the trace's shape environment, hinted by ``like.shape[dim]`` (that
     size itself where the trace has no shape environment): the slot ids of a graph resumed
     after a graph break number the batch's rows, which its tokens need not show."""
-    env = like.fake_mode.shape_env
-    if env is None:
-        return like.shape[dim]
+    size, env = like.shape[dim], like.fake_mode.shape_env
+    hint = size if isinstance(size, int) else size.node.hint
+    if env is None or hint is None:
+        return size
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic
 
-    size = like.shape[dim]
-    hint, source = size if isinstance(size, int) else size.node.hint, ConstantSource(f"{SLOT_IDS}_rows")
+    source = ConstantSource(f"{SLOT_IDS}_rows")
     symbol = env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
     return env.create_symintnode(symbol, hint=hint, source=source)
 

@@ -102,7 +102,7 @@ def module_calls(fqn: str, nodes: list[fx.Node]) -> list[list[fx.Node]]:
 
 def _parameter(node: Any) -> object:
     """What names the parameter ``node`` reads, directly or through :data:`CASTS` and
-    :data:`LOCAL_SHARD` (a graph input, or an attribute of the graph module), or None for a
+    :func:`is_local_shard` (a graph input, or an attribute of the graph module), or None for a
     tensor computed in the graph."""
     read = parameter_read(node)
     if read is None:
@@ -112,7 +112,7 @@ def _parameter(node: Any) -> object:
 
 def parameter_read(node: Any) -> list[fx.Node] | None:
     """The nodes that read a parameter into ``node`` — the graph input or attribute, then
-    each cast (:data:`CASTS`, :data:`LOCAL_SHARD`) up to ``node`` — or None when ``node``
+    each cast (:data:`CASTS`) or local-shard read (:func:`is_local_shard`) up to ``node`` — or None when ``node``
     is a tensor computed in the graph. Such a read may move earlier in the graph."""
     chain = []
     while isinstance(node, fx.Node) and ((node.op == "call_method" and node.target in CASTS) or is_local_shard(node)):
@@ -249,6 +249,6 @@ def input_values(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, object]:
 
 def reads_parameter(node: Any, parameter: Any, values: dict[fx.Node, object]) -> bool:
     """Whether ``node`` is ``parameter`` (by identity with the model's tensor), read directly
-    or through :data:`CASTS` and :data:`LOCAL_SHARD`."""
+    or through :data:`CASTS` and :func:`is_local_shard`."""
     read = parameter_read(node)
     return read is not None and values.get(read[0]) is parameter
