@@ -166,6 +166,14 @@ def step_inputs(batch: int, vocab: int, device: str = "cuda") -> dict:
     }
 
 
+def at_context(rt) -> None:
+    """The runtime's step buffers for a step at column CONTEXT attending to columns 0..CONTEXT."""
+    rt.positions.fill_(CONTEXT)
+    rt.mask.fill_(torch.finfo(torch.bfloat16).min)
+    rt.mask[..., : CONTEXT + 1] = 0
+    rt.column.fill_(CONTEXT)
+
+
 def hand_graph(model, cache: StaticKVCache, batch: int, extra: dict) -> float:
     """What a user builds by hand: the unmodified model with a static cache, one CUDA graph."""
     inputs = step_inputs(batch, model.config.vocab_size)
@@ -233,10 +241,7 @@ def main() -> None:
         for batch in batches:
             bucket = rt.bucket_for(batch)
             rt.ids.random_(3, vocab)
-            rt.positions.fill_(CONTEXT)
-            rt.mask.fill_(torch.finfo(torch.bfloat16).min)
-            rt.mask[..., : CONTEXT + 1] = 0
-            rt.column.fill_(CONTEXT)
+            at_context(rt)
             for k in counts:
                 rt.slot_ids.fill_(-1)
                 if k:

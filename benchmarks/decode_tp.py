@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import transformers
 import triton
-from decode import CONTEXT, MAX_LEN, RANK, make_adapters, spec
+from decode import CONTEXT, MAX_LEN, RANK, at_context, make_adapters, spec
 from transformers.distributed import DistributedConfig
 
 import fxlora
@@ -86,10 +86,7 @@ def worker(directory: str, model_name: str, batches: list[int], out: str) -> Non
     with torch.no_grad():
         for batch in batches:
             rt.ids.copy_(torch.randint(3, model.config.vocab_size, rt.ids.shape, generator=gen))
-            rt.positions.fill_(CONTEXT)
-            rt.mask.fill_(torch.finfo(torch.bfloat16).min)
-            rt.mask[..., : CONTEXT + 1] = 0
-            rt.column.fill_(CONTEXT)
+            at_context(rt)
             rt.slot_ids.fill_(-1)
             names = [f"ad{i % ADAPTERS}" for i in range(batch)]
             rt.slot_ids[:batch].copy_(torch.tensor(cm.pool.slot_ids(names), dtype=torch.int32))

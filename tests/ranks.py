@@ -9,6 +9,7 @@ writes ``RESULTS/rank<N>.safetensors`` and ``RESULTS/rank<N>.json``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -44,25 +45,21 @@ def run_ranks(
         for pid in _pids(directory):
             _kill(pid, signal.SIGUSR1)
         time.sleep(5)
-        for pid in _pids(directory):
-            _kill(pid)
-        _end(proc)
-        output, _ = proc.communicate(timeout=30)
-        output += f"\n(stopped after {limit_s} s)"
+        _stop(proc, directory)
+        output = proc.communicate(timeout=30)[0] + f"\n(stopped after {limit_s} s)"
     finally:
-        _end(proc)
-        for pid in _pids(directory):
-            _kill(pid)
+        _stop(proc, directory)
     if proc.returncode != 0:
         pytest.fail(f"the ranks failed (exit {proc.returncode}):\n{output[-12000:]}")
     return [(load_file(out / f"rank{r}.safetensors"), json.loads((out / f"rank{r}.json").read_text())) for r in range(ranks)]
 
 
-def _end(proc: subprocess.Popen) -> None:
-    try:
+def _stop(proc: subprocess.Popen, directory: Path) -> None:
+    """End the launcher's process group and the ranks, which run in sessions of their own."""
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    for pid in _pids(directory):
+        _kill(pid)
     proc.wait()
 
 
@@ -80,7 +77,5 @@ def _pids(directory: Path) -> list[int]:
 
 
 def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
