@@ -12,6 +12,8 @@ from peft import LoraConfig
 
 import fxlora
 from fxlora.testing import (
+    NEAR_TIE,
+    assert_greedy_agrees,
     assert_matches_decomposition,
     assert_matches_peft,
     check_rows,
@@ -83,3 +85,27 @@ def test_decomposition_is_peft_for_modules_peft_wraps(model):
     check_rows(decomposed_logits(model, adapters, names, **inputs), peft, names, inputs["attention_mask"])
     assert torch.equal(decomposed_logits(model, adapters, [None], input_ids=inputs["input_ids"][:1]),
                        model(input_ids=inputs["input_ids"][:1]).logits)  # fmt: skip
+
+
+def test_greedy_check_allows_near_ties_only():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 50, 32, generator=gen)
+    best, runner_up = logits.topk(2, -1).indices.unbind(-1)
+
+    def runner_up_behind_by(gap, steps):  # logits where the runner-up trails the best by gap · max |logit|
+        out = logits.clone()
+        for i, j in steps:
+            out[i, j, runner_up[i, j]] = out[i, j, best[i, j]] - gap * out[i, j].abs().max()
+        return out
+
+    assert_greedy_agrees(best, logits)
+    flipped = best.clone()
+    flipped[1, 7] = runner_up[1, 7]
+    assert_greedy_agrees(flipped, runner_up_behind_by(NEAR_TIE / 2, [(1, 7)]))
+    with pytest.raises(AssertionError, match=r"\(1, 7\)"):
+        assert_greedy_agrees(flipped, runner_up_behind_by(3 * NEAR_TIE, [(1, 7)]))
+    steps = [(i, j) for i in range(4) for j in range(5)]  # 10% of the tokens, each a near tie: too many
+    many = best.clone()
+    many[:, :5] = runner_up[:, :5]
+    with pytest.raises(AssertionError, match="agree"):
+        assert_greedy_agrees(many, runner_up_behind_by(NEAR_TIE / 2, steps))

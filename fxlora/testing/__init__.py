@@ -15,9 +15,12 @@ from fxlora.testing.models import (
     tiny_model,
 )
 from fxlora.testing.oracle import (
+    GREEDY_AGREEMENT,
     KL_TOL,
+    NEAR_TIE,
     NOISE_FACTOR,
     RTOL,
+    assert_greedy_agrees,
     assert_matches_decomposition,
     assert_matches_peft,
     check_rows,
@@ -45,11 +48,14 @@ def __getattr__(name: str):
 __all__ = [
     "FAMILIES",
     "MOE_FAMILIES",
+    "GREEDY_AGREEMENT",
     "KL_TOL",
+    "NEAR_TIE",
     "NOISE_FACTOR",
     "RTOL",
     "Batch",
     "adapter_sets",
+    "assert_greedy_agrees",
     "assert_matches_decomposition",
     "assert_matches_peft",
     "batches",
