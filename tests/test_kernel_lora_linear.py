@@ -2,11 +2,15 @@
 fxlora::lora_linear_fused's against its members served one at a time, and both ops' Triton
 implementations (on one stream: in Triton's interpreter without CUDA) against the references."""
 
+import contextlib
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 from lora_cases import DEVICE, TOL, make_case, multi_slice, per_token
 
 from fxlora.ops import BatchInfo, LoraWeights, batch_info, lora_linear, lora_linear_fused
@@ -91,6 +95,50 @@ def test_lora_linear_fused_keeps_leading_dims_and_fake():
     args = (x, [w, w[:2]], [b, None], joint, list(batch_info(slot_ids, x, 1, 2)))
     assert [y.shape for y in lora_linear_fused(*args)] == [(2, 3, 3), (2, 3, 2)]
     torch.library.opcheck(torch.ops.fxlora.lora_linear_fused.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_strided_size_one_dimension_is_one_gemm_not_a_bmm():
+    # (tokens, 1, hidden) with a stride aten.matmul does not fold on the size-1 dimension, as
+    # Inductor may pass: the base GEMM stays one mm over the tokens, not a bmm over an expanded weight
+    gen = torch.Generator().manual_seed(0)
+    x, w, b, a, bb, scaling, rank, slot_ids = make_case(gen, 4, 8, 6, 2, [2, 1], [0, 1, -1, 0], torch.float32)
+    strided = torch.randn(4, 3, 8, generator=gen)[:, :1]
+    strided.copy_(x[:, None])
+    assert strided.stride() == (24, 8, 1)
+    joint = [torch.cat([a, a], 1), torch.cat([bb, bb[:, :2]], 1), scaling.repeat_interleave(2), rank.repeat_interleave(2)]
+    implementations = [(lora_linear, "single"), (lora_linear_fused, "fused")]
+    if sgmv is not None:
+        from fxlora.ops.lora_linear import lora_linear_fused_triton, lora_linear_triton
+
+        one_stream = dict(overlap=False)
+        implementations += [
+            (functools.partial(lora_linear_triton, **one_stream), "single"),
+            (functools.partial(lora_linear_fused_triton, **one_stream), "fused"),
+        ]
+    for op, kind in implementations:
+        on = lambda t: t.to(DEVICE) if t is not None else None  # noqa: E731
+        meta = [on(t) for t in batch_info(slot_ids, x, 1, 2)]
+        xs = {"strided": on(strided), "contiguous": on(x[:, None])}
+        out, ops = {}, _Ops()
+        for name, inp in xs.items():
+            with ops if name == "strided" else contextlib.nullcontext():
+                if kind == "single":
+                    out[name] = [op(inp, on(w), on(b), [on(t) for t in (a, bb, scaling, rank)], meta, lora_workspace(inp, on(a)))]
+                else:
+                    out[name] = op(inp, [on(w), on(w[:2])], [on(b), None], [on(t) for t in joint], meta)
+        assert torch.ops.aten.bmm.default not in ops.seen, (op, ops.seen)
+        for got, ref in zip(out["strided"], out["contiguous"], strict=True):
+            assert got.shape == ref.shape and torch.equal(got, ref)
 
 
 @pytest.mark.skipif(sgmv is None, reason="needs Triton")

@@ -25,6 +25,16 @@ from fxlora.ops.operands import BatchInfo, LoraWeights
 from fxlora.ops.triton import sgmv
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` over ``x``'s rows as one 2-D GEMM. ``aten.matmul`` folds a 3-D input into
+    rows only when its strides say so dimension by dimension, and Inductor may hand the ops
+    ``(tokens, 1, hidden)`` with any stride on the size-1 dimension: matmul then runs a bmm
+    over the weight expanded once per token (20x the GEMM's time at 128 tokens). ``reshape``
+    is a view there, and copies ``x`` once where rows are truly strided."""
+    y = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 @torch.library.custom_op("fxlora::lora_linear", mutates_args=("workspace",))
 def lora_linear(
     x: torch.Tensor,
@@ -38,7 +48,7 @@ def lora_linear(
     (:class:`BatchInfo`); ``workspace`` (from :func:`fxlora.ops.lora_delta.lora_workspace`) is scratch the CUDA
     kernel writes the shrink result into."""
     weights, info = LoraWeights(*lora), BatchInfo(*batch)
-    y = F.linear(x, weight, bias)
+    y = _linear(x, weight, bias)
     lora_delta_reference(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), weights, info.token_slot)
     return y
 
@@ -59,7 +69,7 @@ def lora_linear_triton(
     under CUDA-graph capture the fork and join become parallel branches of the graph, so the
     shrink's time hides behind the GEMM. ``slice_widths``: several output slices sharing one
     input, each with its own factors (the kernels' multi-slice layout)."""
-    base = lambda: F.linear(x, weight, bias)  # noqa: E731
+    base = lambda: _linear(x, weight, bias)  # noqa: E731
     weights, info = LoraWeights(*lora), BatchInfo(*batch)
     return with_lora_delta(x, base, weights, info, workspace, overlap, slice_widths, one_gemm=True)
 
@@ -77,7 +87,7 @@ def lora_linear_fused(
     (:func:`sliced_delta_reference`). The shrink's scratch is allocated inside: a
     functionalised graph (Inductor's) can hold an op that mutates an input only when it
     returns single tensors, not a list."""
-    ys = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    ys = [_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
     rows = [y.view(-1, y.shape[-1]) for y in ys]
     sliced_delta_reference(rows, x.reshape(-1, x.shape[-1]), LoraWeights(*lora), BatchInfo(*batch).token_slot)
     return ys
@@ -93,7 +103,7 @@ def lora_linear_fused_triton(
 ) -> list[torch.Tensor]:
     """Every member's GEMM, then one shrink and one expand that update all their outputs
     (``overlap`` as in :func:`lora_linear_triton`)."""
-    base = lambda: [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # noqa: E731
+    base = lambda: [_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # noqa: E731
     widths = tuple(w.shape[0] for w in weights)
     factors, info = LoraWeights(*lora), BatchInfo(*batch)
     workspace = lora_workspace(x, factors.lora_a)
