@@ -4,11 +4,12 @@ read once, masked cache columns skipped (split-K "flash decoding").
 A program serves one row, one KV head and one split of the cache's columns: it loads the
 queries of every head of that KV head's group, walks its columns block by block with an
 online softmax, and writes the group's partial outputs with their log-sum-exp; a second
-kernel combines the splits. A block whose additive mask is at or below ``masked`` in every
-column (columns past a row's context, its padding, outside a sliding window) is skipped
-before its keys and values are read, so the work follows each row's live context, not the
-cache's length. A row whose mask hides every column (an unused row of a batch bucket) reads
-zeros. The grid depends only on shapes (worst case: every column), so a CUDA graph
+kernel combines the splits. Before reading any key it finds, from the additive mask alone,
+the first and last column of its split the row sees (a column at or below ``masked`` is
+hidden: past the row's context, its padding, outside a sliding window) and walks only the
+blocks between them, so the work follows each row's live context, not the cache's length;
+with no branch in the loop, the next blocks' keys and values load while one is computed. A
+row whose mask hides every column (an unused row of a batch bucket) reads zeros. The grid depends only on shapes (worst case: every column), so a CUDA graph
 captured once serves every context length.
 """
 
@@ -18,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 32  # cache columns per step of a program
+BLOCK_N = 128  # cache columns per step of a program
+STAGES = 2  # blocks of keys and values in flight per program (the loop's software pipeline)
+SCAN = 256  # mask columns per step of the search for a split's visible columns
 TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs
 
 
@@ -28,10 +31,20 @@ def _split_kernel(
     columns, kv_heads, group, scale, masked,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb, stride_mn,
     SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SCAN: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     bh, split = tl.program_id(0), tl.program_id(1)
     b, kvh = bh // kv_heads, bh % kv_heads
+    start = split * SPLIT
+    stop = tl.minimum(start + SPLIT, columns)
+    # the split's visible columns lie in [lo, hi): found from the mask alone, before any key is read
+    lo, hi = stop, start
+    for c0 in range(start, stop, SCAN):
+        c = c0 + tl.arange(0, SCAN)
+        bias = tl.load(mask_ptr + b * stride_mb + c * stride_mn, mask=c < stop, other=masked)
+        seen = (c < stop) & (bias > masked)
+        lo = tl.minimum(lo, tl.min(tl.where(seen, c, stop), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(seen, c + 1, start), 0))
     heads = kvh * group + tl.arange(0, BLOCK_G)
     g_ok = tl.arange(0, BLOCK_G) < group
     d = tl.arange(0, BLOCK_D)
@@ -40,24 +53,23 @@ def _split_kernel(
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    start = split * SPLIT
-    for n0 in range(start, tl.minimum(start + SPLIT, columns), BLOCK_N):
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):  # no branch inside: the loads pipeline
         n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < columns
-        bias = tl.load(mask_ptr + b * stride_mb + n * stride_mn, mask=n_ok, other=float("-inf")).to(tl.float32)
-        if tl.max(bias, 0) > masked:  # some column of the block is visible
-            bias = tl.where(n_ok & (bias > masked), bias, float("-inf"))
-            k = tl.load(k_ptr + b * stride_kb + kvh * stride_kh + n[:, None] * stride_kn + d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias[None, :]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + n[:, None] * stride_vn + d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        n_ok = n < hi
+        bias = tl.load(mask_ptr + b * stride_mb + n * stride_mn, mask=n_ok, other=masked).to(tl.float32)
+        bias = tl.where(n_ok & (bias > masked), bias, float("-inf"))
+        k = tl.load(k_ptr + b * stride_kb + kvh * stride_kh + n[:, None] * stride_kn + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        v = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + n[:, None] * stride_vn + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias[None, :]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a block hidden from a row so far: p = 0, no NaN
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
     splits = tl.num_programs(1)
     row = (b * kv_heads * group + heads) * splits + split  # (row, head, split) of the partials
     safe = tl.where(l_i > 0, l_i, 1.0)
@@ -112,7 +124,7 @@ def decode_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), mask.stride(3),
         SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d, HEAD_DIM=dim,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 as float32, not TF32
+        SCAN=SCAN, STAGES=STAGES, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 as float32, not TF32
         num_warps=4,
     )  # fmt: skip
     out = torch.empty(rows, heads, 1, dim, dtype=q.dtype, device=q.device)
