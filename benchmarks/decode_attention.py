@@ -1,7 +1,7 @@
 """``fxlora::decode_attention``'s kernel against what a model would otherwise run at a decode
 step, and against its bytes floor, in bf16.
 
-    python benchmarks/decode_attention.py [--out F.json] [--sweep]
+    python benchmarks/decode_attention.py [--out F.json] [--sweep] [--quick]
 
 Llama-1B's attention shape (32 query heads, 8 KV heads of 64); one query token per row over a
 static cache of ``cache`` columns of which the first ``context`` are visible. Systems: the
@@ -40,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="decode_attention.json")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="context 512 only")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     defaults = {"BLOCK_N": kernel.BLOCK_N, "STAGES": kernel.STAGES}
@@ -47,7 +48,7 @@ def main() -> None:
     if args.sweep:
         configs += [{"BLOCK_N": n, "STAGES": s} for n, s in itertools.product((32, 64, 128), (1, 2, 3, 4))]
     rows = []
-    for batch, context, cache in CASES:
+    for batch, context, cache in [c for c in CASES if c[1] == 512] if args.quick else CASES:
         gen = torch.Generator("cuda").manual_seed(0)
         q = torch.randn(batch, HEADS, 1, DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(batch, KV_HEADS, cache, DIM, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))

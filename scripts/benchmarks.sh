@@ -8,12 +8,13 @@ OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 declare -A RUNS=(
     [lora_linear]="lora_linear.py"
+    [decode_attention]="decode_attention.py"
     [decode]="decode.py --model llama"
     [decode_moe]="decode.py --model qwen3_moe"
     [generate]="generate.py --model llama"
     [generate_moe]="generate.py --model qwen3_moe"
 )
-for name in ${BENCHMARKS:-lora_linear decode decode_moe generate generate_moe}; do
+for name in ${BENCHMARKS:-lora_linear decode_attention decode decode_moe generate generate_moe}; do
     # shellcheck disable=SC2086  # the entry holds the script and its arguments
     python3 benchmarks/${RUNS[$name]} --out "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.txt" | tail -60
 done
