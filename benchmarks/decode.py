@@ -93,6 +93,18 @@ class Row:
         }
 
 
+def environment() -> dict:
+    """The card, versions and date a result was measured with (its JSON's ``meta``)."""
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
 def copy_bandwidth() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -306,12 +318,7 @@ def main() -> None:
         print(f"{r.batch:>5} {r.adapters:>8} {r.hand_graph:10.0f} {r.nolora:8.0f} {lora} {r.peft_eager:9.0f} "
               f"{r.floor:7.0f} {q['nolora/hand']:11.3f} {ln} {q['peft/fxlora']:11.1f} {q['hand/floor']:10.2f}")
     meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
+        **environment(),
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "setup_seconds": setup_s,
         "graphs": graphs,

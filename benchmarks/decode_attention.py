@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
-import time
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-from decode import copy_bandwidth
+from decode import copy_bandwidth, environment
 
 from fxlora.ops.triton import decode_attention as kernel
 
@@ -74,11 +72,7 @@ def main() -> None:
         print(f"batch {batch:>3} context {context:>4}/{cache:<4} " + "  ".join(
             f"{key} {val:.1f}" + (f" ({val / row['floor']:.2f}x)" if key != "floor" else "") for key, val in timed.items()))  # fmt: skip
     meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
+        **environment(),
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "defaults": defaults,
     }

@@ -20,7 +20,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -29,8 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 import transformers
-import triton
-from decode import CONTEXT, MAX_LEN, RANK, at_context, make_adapters, spec
+from decode import CONTEXT, MAX_LEN, RANK, at_context, environment, make_adapters, spec
 from transformers.distributed import DistributedConfig
 
 import fxlora
@@ -131,13 +129,8 @@ def launch(args: argparse.Namespace, batches: list[int]) -> None:
             print(f"{batch:>5} {tp:>3} {r['nolora_us']:10.0f} {r['lora_us']:9.0f} {r['lora/nolora']:11.3f} "
                   f"{batch / r['lora_us'] * 1e6:10.0f} {scaling:13.2f}")  # fmt: skip
     meta = {
-        "gpu": torch.cuda.get_device_name(),
+        **environment(),
         "gpus": torch.cuda.device_count(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
         "model": args.model,
         "adapters": ADAPTERS,
         "context": CONTEXT,

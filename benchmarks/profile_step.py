@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import platform
 import time
 
 import torch
 import transformers
-import triton
-from decode import MAX_LEN, RANK, at_context, make_adapters, spec, us
+from decode import MAX_LEN, RANK, at_context, environment, make_adapters, spec, us
 from torch.profiler import ProfilerActivity, profile
 
 import fxlora
@@ -94,12 +92,7 @@ def main() -> None:
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
+        **environment(),
         "model": args.model,
         "batch": args.batch,
         "adapters": ADAPTERS,

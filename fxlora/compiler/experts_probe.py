@@ -76,7 +76,7 @@ def prove_region(
     hidden_val, index_val, weights_val = traced
     params = experts.experts_parameters(module)
     up_name = experts.up_name(module)
-    up, down = params[up_name], params["down_proj"]
+    up = params[up_name]
     count, fin = up.shape[0], experts.in_out(module, up)[0]  # a DTensor's shape is the whole parameter's
     top_k = min(_hint(index_val.shape[-1]), count)
     tokens = max(2, -(-count // top_k))  # every expert gets a token
