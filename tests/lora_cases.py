@@ -145,9 +145,12 @@ def draw_case(data, slots: tuple[int, int] = (1, 4), tokens: tuple[int, int] = (
     a, b, scaling, rank = pool_factors(gen, slots, slices, max_rank, d_in, widths, ranks, dtype)
     x = torch.randn(tokens, d_in, generator=gen).to(dtype)
     y = torch.randn(tokens, sum(widths), generator=gen).to(dtype)
-    # the ATen ops' list (per slot, or compact for a pool larger than the batch) or the one-launch kernel's
+    # the ATen ops' list (per slot, or compact for a pool larger than the batch) or the one-launch
+    # kernel's; of the fewest entries, or of one per slot as fxlora::batch_info's (the kernels read
+    # the first min(tokens, slots))
     build = data.draw(st.sampled_from([token_segments, fast_token_segments]), label="segment list")
-    meta = build(torch.tensor(assignment, dtype=torch.int32, device=DEVICE), 1, slots)
+    entries = data.draw(st.sampled_from([None, slots]), label="entries")
+    meta = build(torch.tensor(assignment, dtype=torch.int32, device=DEVICE), 1, slots, entries=entries)
     expected = reference(y, x, a, b, scaling, rank, meta[0].cpu(), widths)
     on = [t.to(DEVICE) for t in (x, y.clone(), a, b, scaling, rank)] + list(meta)
     if data.draw(st.booleans(), label="factors inside a larger tensor"):

@@ -25,6 +25,18 @@ def test_inductor_serves_a_mixed_batch_and_a_later_load():
     assert "both compiled by inductor" in cm.explain()
 
 
+def test_one_graph_serves_batches_smaller_and_larger_than_the_pool():
+    # the prologue's segment list is as long as the pool whatever the token count, so that
+    # Inductor does not guard on tokens against slots and compile a graph for each side
+    model = tiny_model("llama", seed=3)
+    a = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), 1, "")
+    cm = fxlora.compile(model, adapters={"a": a}, max_loras=4, max_rank=4, inner="inductor")
+    for names in (["a", None, "a", "a", None, "a"], ["a", None, "a"]):  # 6 tokens, then 3, on 4 slots
+        ids = torch.randint(3, 96, (len(names), 1))
+        assert_matches_peft(cm, model, {"a": a}, names, input_ids=ids)
+    assert cm.compile_count == 1
+
+
 def test_inductor_serves_experts():
     model = tiny_model("qwen3_moe", seed=4)
     cfg = LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"])

@@ -12,12 +12,18 @@ from fxlora.ops.batch_info import compact_segments, token_segments
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU, Triton's interpreter
 
 
-def check_segments(slots: list[int], sorted_tokens, seg_start, seg_len, seg_slot, num_slots: int) -> None:
-    """The segment list's contract: ``min(T, num_slots)`` entries; each slot present in one
-    non-empty segment, in slot order, holding its tokens in order; no-adapter tokens last."""
-    entries = min(len(slots), num_slots)
+def check_segments(
+    slots: list[int], sorted_tokens, seg_start, seg_len, seg_slot, num_slots: int, entries: int | None = None
+) -> None:
+    """The segment list's contract: ``entries`` entries (``fxlora::batch_info``'s: ``num_slots``;
+    by default ``min(T, num_slots)``), every non-empty one among the first ``min(T, num_slots)``
+    that the kernels read; each slot present in one non-empty segment, in slot order, holding
+    its tokens in order; no-adapter tokens last."""
+    read = min(len(slots), num_slots)
+    entries = read if entries is None else entries
     assert all(t.shape == (entries,) and t.dtype == torch.int32 for t in (seg_start, seg_len, seg_slot))
     assert sorted(sorted_tokens.tolist()) == list(range(len(slots)))
+    assert not seg_len[read:].any()
     busy = seg_len > 0
     assert seg_slot[busy].tolist() == sorted({s for s in slots if s >= 0})
     for start, length, slot in zip(seg_start[busy].tolist(), seg_len[busy].tolist(), seg_slot[busy].tolist()):
@@ -42,7 +48,7 @@ def test_batch_info_groups_tokens_by_slot(rows, per_row, num_slots, data, flat):
     tokens = torch.empty(rows * per_row, 7) if flat else torch.empty(rows, per_row, 7)
     token_slot, *segments = batch_info(slot_ids, tokens, 1, num_slots)
     assert token_slot.tolist() == [s for s in slots for _ in range(per_row)]
-    check_segments(token_slot.tolist(), *segments, num_slots)
+    check_segments(token_slot.tolist(), *segments, num_slots, entries=num_slots)
 
 
 @given(
@@ -60,7 +66,7 @@ def test_batch_info_of_time_major_tokens(rows, seq, num_slots, data):
     tokens = torch.empty(seq, rows, 7, device=DEVICE)
     token_slot, *segments = batch_info(slot_ids, tokens, 1, num_slots, 1)
     assert token_slot.tolist() == [slots[b] for _ in range(seq) for b in range(rows)]
-    check_segments(token_slot.tolist(), *(t.cpu() for t in segments), num_slots)
+    check_segments(token_slot.tolist(), *(t.cpu() for t in segments), num_slots, entries=num_slots)
     if rows > 1 and seq != rows:
         with pytest.raises(AdapterError, match=f"adapter_names has {rows} entries but the batch has {seq} rows"):
             batch_info(slot_ids, tokens, 1, num_slots, 0)  # the first dimension is not the rows
@@ -90,9 +96,10 @@ def test_batch_info_schema_and_fake():
     )
 
 
-@given(st.lists(st.integers(-1, 40), min_size=1, max_size=50), st.integers(41, 600))
-def test_compact_segments_of_a_large_pool(slots, num_slots):
-    check_segments(slots, *compact_segments(torch.tensor(slots, dtype=torch.int32), num_slots), num_slots)
+@given(st.lists(st.integers(-1, 40), min_size=1, max_size=50), st.integers(41, 600), st.booleans())
+def test_compact_segments_of_a_large_pool(slots, num_slots, one_per_slot):
+    entries = num_slots if one_per_slot else None
+    check_segments(slots, *compact_segments(torch.tensor(slots, dtype=torch.int32), num_slots, entries), num_slots, entries)
 
 
 @given(
@@ -103,13 +110,16 @@ def test_compact_segments_of_a_large_pool(slots, num_slots):
     data=st.data(),
 )
 def test_slot_sort_matches_definition(rows, per_row, num_slots, dtype, data):
-    """The one-launch Triton prologue, with pools smaller and larger than the batch."""
+    """The one-launch Triton prologue, with pools smaller and larger than the batch, and a list
+    of the fewest entries or of one per slot (``fxlora::batch_info``'s, longer than the block)."""
     slot_sort = pytest.importorskip("fxlora.ops.triton.slot_sort")
     top = data.draw(st.sampled_from([1, 3, num_slots]), label="distinct slots at most")
     slots = data.draw(st.lists(st.integers(-1, min(top, num_slots) - 1), min_size=rows, max_size=rows))
-    token_slot, *segments = slot_sort.slot_sort(torch.tensor(slots, dtype=dtype, device=DEVICE), per_row, num_slots)
+    entries = data.draw(st.sampled_from([None, num_slots]), label="entries")
+    row_slot = torch.tensor(slots, dtype=dtype, device=DEVICE)
+    token_slot, *segments = slot_sort.slot_sort(row_slot, per_row, num_slots, entries)
     assert token_slot.tolist() == [s for s in slots for _ in range(per_row)]
-    check_segments(token_slot.tolist(), *(t.cpu() for t in segments), num_slots)
+    check_segments(token_slot.tolist(), *(t.cpu() for t in segments), num_slots, entries)
 
 
 def test_slot_sort_without_adapters():
@@ -123,6 +133,8 @@ def test_slot_sort_names_its_limit():
     slot_sort = pytest.importorskip("fxlora.ops.triton.slot_sort")
     with pytest.raises(ValueError, match=f"1 to {slot_sort.MAX_TOKENS} tokens, not {slot_sort.MAX_TOKENS + 1}"):
         slot_sort.slot_sort(torch.zeros(slot_sort.MAX_TOKENS + 1, dtype=torch.int32), 1, 4)
+    with pytest.raises(ValueError, match="a segment list of 2 entries cannot hold 3 tokens of 4 slots"):
+        slot_sort.slot_sort(torch.zeros(3, dtype=torch.int32), 1, 4, entries=2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -133,6 +145,6 @@ def test_batch_info_on_cuda(count, num_slots):
     slot_ids = torch.randint(-1, min(40, num_slots), (count,), dtype=torch.int32, device="cuda")
     token_slot, *segments = batch_info(slot_ids, torch.empty(count, 8, device="cuda"), 1, num_slots)
     assert torch.equal(token_slot, slot_ids)
-    check_segments(slot_ids.tolist(), *(t.cpu() for t in segments), num_slots)
-    reference = token_segments(slot_ids.cpu(), 1, num_slots)  # the ATen ops, on the CPU
+    check_segments(slot_ids.tolist(), *(t.cpu() for t in segments), num_slots, entries=num_slots)
+    reference = token_segments(slot_ids.cpu(), 1, num_slots, entries=num_slots)  # the ATen ops, on the CPU
     assert torch.equal(segments[0].cpu(), reference[1])

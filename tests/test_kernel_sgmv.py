@@ -54,6 +54,18 @@ def test_long_segment_lists_match_reference(data):
     c.check()
 
 
+@settings(max_examples=8)
+@given(data=st.data())
+def test_a_pool_larger_than_the_batch(data):
+    """More slots than tokens (a decode batch on a large pool): the list is compact, and the
+    kernels read only its first ``tokens`` entries, of the fewest or of one per slot."""
+    c = draw_case(data, slots=(9, 40), tokens=(1, 8))
+    v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, len(c.widths))
+    y = c.outputs(data)
+    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, c.widths)
+    c.check()
+
+
 def test_column_align():
     """The alignment the expands assume divides every slice's width and first column."""
     assert sgmv.column_align((4096, 1024, 1024)) == 16

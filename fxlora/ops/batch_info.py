@@ -4,14 +4,17 @@ Every LoRA op of a graph reads the same metadata, computed once per token layout
 
 - ``token_slot[T]``: the slot of each token (``-1``: no adapter);
 - ``sorted_tokens[T]``: token indices grouped by slot (stable), no-adapter tokens last;
-- ``seg_start[L]``, ``seg_len[L]``, ``seg_slot[L]``: the segments: segment ``i``'s tokens lie
-  at ``seg_start[i]`` in ``sorted_tokens`` and read slot ``seg_slot[i]``'s factors, in slot
-  order. ``L = min(T, num_slots)``, the most segments a batch can have, since the kernels'
-  grids have a row of programs per entry: with no more slots than tokens, one entry per slot
+- ``seg_start[num_slots]``, ``seg_len[num_slots]``, ``seg_slot[num_slots]``: the segments:
+  segment ``i``'s tokens lie at ``seg_start[i]`` in ``sorted_tokens`` and read slot
+  ``seg_slot[i]``'s factors, in slot order. With no more slots than tokens, one entry per slot
   (empty for a slot not in the batch); with more slots than tokens (a pool larger than a
-  decode batch), a compact list of the slots present, then empty entries. The compact list
-  takes twice as many small kernels to build. Either way the starts ascend from 0, which the
-  SGMV kernels' search relies on.
+  decode batch), a compact list of the slots present, then empty entries, so that every
+  non-empty segment lies in the first ``min(T, num_slots)`` entries: the kernels' grids have
+  a row of programs per entry and read only those. The compact list takes twice as many
+  small kernels to build. Either way the starts ascend from 0, which the SGMV kernels' search
+  relies on. The list's length is the pool's, not the batch's, so that the op's output
+  shapes never compare the token count with the slot count: a graph traced for one batch
+  size serves every other.
 
 That is the reference, a dozen or two small ATen kernels. On CUDA a batch of up to
 ``slot_sort.MAX_TOKENS`` tokens takes one Triton launch instead, which always builds the
@@ -45,15 +48,15 @@ def batch_info(
     """``tokens`` is only read for its shape: its leading ``dim - feature_dims`` dims index
     tokens, dimension ``row_dim`` of them the rows."""
     outer, per_row = _row_layout(slot_ids, tokens, feature_dims, row_dim)
-    return token_segments(slot_ids, per_row, num_slots, outer)
+    return token_segments(slot_ids, per_row, num_slots, outer, entries=num_slots)
 
 
 def batch_info_triton(slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int, num_slots: int, row_dim: int = 0):
     """The CUDA implementation: :func:`fast_token_segments`."""
     outer, per_row = _row_layout(slot_ids, tokens, feature_dims, row_dim)
     if outer > 1:  # time-major rows: the one-launch sort takes rows in order, so the ATen path
-        return token_segments(slot_ids, per_row, num_slots, outer)
-    return fast_token_segments(slot_ids, per_row, num_slots)
+        return token_segments(slot_ids, per_row, num_slots, outer, entries=num_slots)
+    return fast_token_segments(slot_ids, per_row, num_slots, entries=num_slots)
 
 
 def _row_layout(slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int, row_dim: int) -> tuple[int, int]:
@@ -75,29 +78,40 @@ def _row_layout(slot_ids: torch.Tensor, tokens: torch.Tensor, feature_dims: int,
     return outer, count // (rows * outer)
 
 
-def token_segments(row_slot: torch.Tensor, per_row: int, num_slots: int, outer: int = 1) -> tuple[torch.Tensor, ...]:
+def token_segments(
+    row_slot: torch.Tensor, per_row: int, num_slots: int, outer: int = 1, entries: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """``(token_slot, sorted_tokens, seg_start, seg_len, seg_slot)`` for ``per_row`` tokens in
-    each row of ``row_slot`` (``-1``: no adapter), the rows ``outer`` times in turn, by ATen ops."""
+    each row of ``row_slot`` (``-1``: no adapter), the rows ``outer`` times in turn, by ATen ops.
+    ``entries``: the segment list's length (see :func:`segments`)."""
     token_slot = row_slot.to(torch.int32).repeat_interleave(per_row)
     if outer > 1:
         token_slot = token_slot.repeat(outer)
-    return (token_slot, *segments(token_slot, num_slots))
+    return (token_slot, *segments(token_slot, num_slots, entries))
 
 
-def fast_token_segments(row_slot: torch.Tensor, per_row: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+def fast_token_segments(
+    row_slot: torch.Tensor, per_row: int, num_slots: int, entries: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """:func:`token_segments` in one Triton launch where one program holds the batch: for the
     Triton implementations of the ops."""
     if 0 < row_slot.numel() * per_row <= slot_sort.MAX_TOKENS:
-        return slot_sort.slot_sort(row_slot, per_row, num_slots)
-    return token_segments(row_slot, per_row, num_slots)
+        return slot_sort.slot_sort(row_slot, per_row, num_slots, entries)
+    return token_segments(row_slot, per_row, num_slots, entries=entries)
 
 
-def segments(token_slot: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def segments(
+    token_slot: torch.Tensor, num_slots: int, entries: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sorted_tokens, seg_start, seg_len, seg_slot)`` of per-token slot ids (``-1``: none):
     :func:`slot_segments` where the pool has no more slots than there are tokens, else the
-    compact list of :func:`compact_segments`, which takes twice as many small kernels."""
-    chosen = compact_segments if num_slots > token_slot.numel() else slot_segments
-    return chosen(token_slot, num_slots)
+    compact list of :func:`compact_segments`, which takes twice as many small kernels. The
+    list has ``entries`` entries (at least ``min(T, num_slots)``; by default that many):
+    ``fxlora::batch_info`` asks for ``num_slots``, the MoE op, whose shapes no graph sees, for
+    the fewest."""
+    if num_slots > token_slot.numel():
+        return compact_segments(token_slot, num_slots, entries)
+    return slot_segments(token_slot, num_slots)
 
 
 def slot_segments(
@@ -128,12 +142,11 @@ if slot_sort is not None:
 @batch_info.register_fake
 def _(slot_ids, tokens, feature_dims, num_slots, row_dim=0):
     count = _token_count(tokens, feature_dims)
-    segs = min(count, num_slots)
     i32 = dict(dtype=torch.int32, device=slot_ids.device)
     return (
         slot_ids.new_empty(count, **i32),
         slot_ids.new_empty(count, **i32),
-        *(slot_ids.new_empty(segs, **i32) for _ in range(3)),
+        *(slot_ids.new_empty(num_slots, **i32) for _ in range(3)),
     )
 
 
@@ -147,14 +160,14 @@ def slot_groups(token_slot: torch.Tensor, rank: torch.Tensor):
 
 
 def compact_segments(
-    token_slot: torch.Tensor, num_slots: int
+    token_slot: torch.Tensor, num_slots: int, entries: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sorted_tokens, seg_start, seg_len, seg_slot)`` of per-token slot ids (``-1``: none):
     the tokens grouped by slot (stable, no-adapter tokens last) and one segment per slot
-    present, in a list of ``min(T, num_slots)`` entries (see the module's docstring). On the
-    device, with no host read."""
+    present, then empty entries, in a list of ``entries`` (default ``min(T, num_slots)``; see
+    the module's docstring). On the device, with no host read."""
     count, device = token_slot.numel(), token_slot.device
-    entries = min(count, num_slots)
+    entries = min(count, num_slots) if entries is None else entries
     key, sorted_tokens = _sort_by_slot(token_slot, num_slots)
     keys = key.index_select(0, sorted_tokens)
     first = torch.ones_like(keys, dtype=torch.bool)

@@ -18,8 +18,9 @@ slice's ``max_rank`` rows, ``B`` each slice's output rows, and ``scaling`` / ``r
 one value per (slot, slice). The expands update either one output's column slices or one
 output per slice (:func:`output_slices`).
 
-The list has at most one entry per token however large the pool (the MoE path reads its pool
-as ``slots · experts`` adapters).
+The kernels read at most one entry per token however large the pool (the MoE path reads its
+pool as ``slots · experts`` adapters): the first ``min(T, entries)`` of the list, where
+``fxlora::batch_info`` puts every non-empty segment.
 
 The expands move ``y`` and ``B`` in 16-byte pieces: the slices' widths tell the kernel how
 far their columns are aligned (:func:`column_align`), and a slot reads ``B``'s rank columns up
@@ -33,7 +34,7 @@ reading anything.
 Launch parameters come from :mod:`fxlora.ops.triton.launch_table`, per device and shape class.
 
 Graph safety: the grids are sized for the worst case — ``cdiv(T, BLOCK_M)`` plus one per
-entry of the segment list — and a program with nothing to do (past its segment, a rank-0 slot)
+entry of the segment list they read — and a program with nothing to do (past its segment, a rank-0 slot)
 returns at once. Launches depend only on shapes, never on which adapters are present, so
 they can be captured in a CUDA graph and replayed with other assignments.
 """
@@ -314,7 +315,7 @@ def lora_shrink(
     without an adapter are zero. Segment ``i`` reads slot ``seg_slot[i]``'s factors."""
     tokens, k = x.shape
     _, ranks, _ = lora_a.shape
-    segs = seg_len.numel()
+    segs = min(seg_len.numel(), tokens)  # every non-empty segment lies in the first min(T, entries)
     cfg = config or shrink_config(tokens, k, ranks, device=x.device)
     if out is None:
         v = torch.zeros(tokens, ranks, dtype=torch.float32, device=x.device)
@@ -353,7 +354,7 @@ def lora_expand(
     y, y_offsets, y_strides, widths = output_slices(y, slice_widths)
     tokens = y.shape[0]
     _, _, max_rank = lora_b.shape
-    segs = seg_len.numel()
+    segs = min(seg_len.numel(), tokens)
     cfg = config or expand_config(tokens, max_rank, segs, len(widths), device=y.device)
     lora_b = rows_contiguous(lora_b)
     grid = _grid(triton.cdiv(tokens, cfg.block_m) + segs, triton.cdiv(max(widths), cfg.block_n * cfg.tiles), len(widths), cfg.rows_last)

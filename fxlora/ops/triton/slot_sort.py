@@ -58,20 +58,28 @@ def _slot_sort_kernel(
     tl.store(seg_slot + run, key, mask=ends)
     busy = tl.sum((first & (key < num_slots)).to(tl.int32), 0)
     covered = tl.sum((key < num_slots).to(tl.int32), 0)  # where the no-adapter tokens begin
-    empty = (pos >= busy) & (pos < entries)
-    tl.store(seg_start + pos, tl.zeros([BLOCK], tl.int32) + covered, mask=empty)
-    tl.store(seg_len + pos, tl.zeros([BLOCK], tl.int32), mask=empty)
-    tl.store(seg_slot + pos, tl.zeros([BLOCK], tl.int32), mask=empty)
+    for first_entry in range(0, entries, BLOCK):  # a list longer than the block: the rest is empty
+        entry = first_entry + pos
+        empty = (entry >= busy) & (entry < entries)
+        tl.store(seg_start + entry, tl.zeros([BLOCK], tl.int32) + covered, mask=empty)
+        tl.store(seg_len + entry, tl.zeros([BLOCK], tl.int32), mask=empty)
+        tl.store(seg_slot + entry, tl.zeros([BLOCK], tl.int32), mask=empty)
 
 
-def slot_sort(row_slot: torch.Tensor, per_row: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+def slot_sort(
+    row_slot: torch.Tensor, per_row: int, num_slots: int, entries: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """``(token_slot, sorted_tokens, seg_start, seg_len, seg_slot)`` for ``per_row`` tokens in
     each row of ``row_slot`` (an integer tensor, ``-1``: no adapter), in one launch; at most
-    :data:`MAX_TOKENS` tokens."""
+    :data:`MAX_TOKENS` tokens. The segment list has ``entries`` entries (default, and at
+    least, ``min(T, num_slots)``)."""
     count = row_slot.numel() * per_row
     if not 0 < count <= MAX_TOKENS:
         raise ValueError(f"slot_sort takes 1 to {MAX_TOKENS} tokens, not {count}")
-    entries = min(count, num_slots)
+    fewest = min(count, num_slots)
+    entries = fewest if entries is None else entries
+    if entries < fewest:
+        raise ValueError(f"a segment list of {entries} entries cannot hold {count} tokens of {num_slots} slots")
     i32 = dict(dtype=torch.int32, device=row_slot.device)
     out = [torch.empty(count, **i32), torch.empty(count, **i32)] + [torch.empty(entries, **i32) for _ in range(3)]
     block = max(16, triton.next_power_of_2(count))
