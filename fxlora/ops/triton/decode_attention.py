@@ -9,8 +9,9 @@ the first and last column of its split the row sees (a column at or below ``mask
 hidden: past the row's context, its padding, outside a sliding window) and walks only the
 blocks between them, so the work follows each row's live context, not the cache's length;
 with no branch in the loop, the next blocks' keys and values load while one is computed. A
-row whose mask hides every column (an unused row of a batch bucket) reads zeros. The grid depends only on shapes (worst case: every column), so a CUDA graph
-captured once serves every context length.
+row whose mask hides every column (an unused row of a batch bucket) reads zeros. The grid
+depends only on shapes (worst case: every column), so a CUDA graph captured once serves
+every context length.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ reading anything.
 Launch parameters come from :mod:`fxlora.ops.triton.launch_table`, per device and shape class.
 
 Graph safety: the grids are sized for the worst case — ``cdiv(T, BLOCK_M)`` plus one per
-entry of the segment list they read — and a program with nothing to do (past its segment, a rank-0 slot)
-returns at once. Launches depend only on shapes, never on which adapters are present, so
+entry of the segment list they read — and a program with nothing to do (past its segment, a
+rank-0 slot) returns at once. Launches depend only on shapes, never on which adapters are present, so
 they can be captured in a CUDA graph and replayed with other assignments.
 """
 
