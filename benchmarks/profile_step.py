@@ -81,12 +81,12 @@ def main() -> None:
             rt.slot_ids.copy_(torch.tensor(cm.pool.slot_ids(names), dtype=torch.int32))
             for variant in ("nolora", "lora"):
                 graph = rt.graphs.graphs[(variant, args.batch)][0]
-                table = kernels(graph)
-                results[f"{inner}/{variant}"] = {"replay_us": us(graph.replay), "setup_s": setup, "kernels": table}
-                print_table(f"{inner} {variant}, batch {args.batch} (replay {results[f'{inner}/{variant}']['replay_us']:.0f} us)", table)
+                table, replay = kernels(graph), us(graph.replay)
+                results[f"{inner}/{variant}"] = {"replay_us": replay, "setup_s": setup, "kernels": table}
+                print_table(f"{inner} {variant}, batch {args.batch} (replay {replay:.0f} us)", table)
         nolora, lora = results[f"{inner}/nolora"]["kernels"], results[f"{inner}/lora"]["kernels"]
-        added = {k: [lora.get(k, [0, 0])[0] - nolora.get(k, [0, 0])[0], lora.get(k, [0, 0])[1] - nolora.get(k, [0, 0])[1]]
-                 for k in {*lora, *nolora}}  # fmt: skip
+        none = [0.0, 0.0]
+        added = {k: [a - b for a, b in zip(lora.get(k, none), nolora.get(k, none))] for k in {*lora, *nolora}}
         print_table(f"{inner}: lora minus nolora", {k: v for k, v in added.items() if abs(v[0]) > 0.5}, top=40)
         del rt, cm
         torch._dynamo.reset()
