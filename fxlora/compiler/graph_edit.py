@@ -112,8 +112,9 @@ def _parameter(node: Any) -> object:
 
 def parameter_read(node: Any) -> list[fx.Node] | None:
     """The nodes that read a parameter into ``node`` — the graph input or attribute, then
-    each cast (:data:`CASTS`) or local-shard read (:func:`is_local_shard`) up to ``node`` — or None when ``node``
-    is a tensor computed in the graph. Such a read may move earlier in the graph."""
+    each cast (:data:`CASTS`) or local-shard read (:func:`is_local_shard`) up to ``node`` — or
+    None when ``node`` is a tensor computed in the graph. Such a read may move earlier in the
+    graph."""
     chain = []
     while isinstance(node, fx.Node) and ((node.op == "call_method" and node.target in CASTS) or is_local_shard(node)):
         chain.append(node)
