@@ -243,7 +243,8 @@ def compile(
 
     ``generate`` serves batches of up to ``max_batch_size`` rows of up to ``max_len`` tokens
     (prompt and new tokens) from a static KV cache; its decode steps replay CUDA graphs
-    captured per ``batch_buckets`` (default: powers of two up to ``max_batch_size``) when
+    captured per ``batch_buckets`` (default: 2, 4, 8, ... up to ``max_batch_size``; one row replays
+    the bucket of 2) when
     ``cuda_graphs`` (default: on CUDA).
 
     ``inner`` is the compiler of the rewritten graphs: ``"inductor"`` (the default on CUDA)

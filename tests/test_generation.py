@@ -118,3 +118,18 @@ def test_generate_errors(setup):
         cm.generate(ids, mask, adapter_names=["nope", None], max_new_tokens=2)
     with pytest.raises(ValueError, match="top_p"):
         cm.generate(ids, mask, max_new_tokens=2, do_sample=True, top_p=1.5)
+
+
+def test_default_buckets_trace_the_decode_step_once():
+    # a bucket of 1 would be a trace of its own (Dynamo specialises a size-1 dimension):
+    # the default buckets start at 2 and a single row replays that bucket
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=3)
+    adapter = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), seed=1, directory="")
+    cm = fxlora.compile(model, {"a": adapter}, max_batch_size=8, max_len=16)
+    cm.prepare()
+    assert cm.compile_count == 1
+    ids, mask = prompts(1, 5, model.config.vocab_size, seed=5)
+    out = cm.generate(ids, mask, adapter_names=["a"], max_new_tokens=4, eos_token_id=(), pad_token_id=0)
+    ref = reference_generate(model, peft_model_with(model, {"a": adapter}), ["a"], ids, mask, 4, None, 0)
+    assert torch.equal(out[:, ids.shape[1] :], ref)

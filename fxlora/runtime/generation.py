@@ -32,8 +32,11 @@ VARIANTS = ("nolora", "lora")
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
-    """Powers of two below ``max_batch_size``, then ``max_batch_size`` itself."""
-    buckets, b = [], 1
+    """Powers of two from 2 below ``max_batch_size``, then ``max_batch_size`` itself. A batch
+    of one row replays the bucket of 2 (its second row idle): a bucket of 1 would be a trace
+    of its own, as Dynamo specialises a dimension of size 1, and the bucket of 2 costs a
+    one-row step next to nothing more (both read the same weights)."""
+    buckets, b = [], 2
     while b < max_batch_size:
         buckets.append(b)
         b *= 2
