@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 from lora_cases import DEVICE, TOL, make_case, multi_slice, per_token
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxlora.ops import BatchInfo, LoraWeights, batch_info, lora_linear, lora_linear_fused
 from fxlora.ops.lora_delta import lora_workspace

@@ -28,7 +28,14 @@ from fxlora.adapters import PoolTarget
 from fxlora.compiler.annotate import LINEAR
 from fxlora.compiler.batch_info import row_dim
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import base_calls, call_arg, meta_shape, meta_value, parameter_read, reads_wrapped_tensor
+from fxlora.compiler.graph_edit import (
+    base_calls,
+    call_arg,
+    meta_shape,
+    meta_value,
+    parameter_read,
+    reads_wrapped_tensor,
+)
 from fxlora.compiler.lora_linear import linear_weight, lora_operands
 from fxlora.errors import NotServed
 
