@@ -1,10 +1,12 @@
 """The inner compiler: Inductor compiles both variants of every graph (the default on CUDA,
 chosen here on CPU), serving the same mixed batches as the eager FX graphs, dense and MoE,
-with adapters loaded after compilation; a name that is no inner compiler is refused."""
+with adapters loaded after compilation; a name that is no inner compiler is refused; Inductor's
+cache key holds the ops' sources."""
 
 import pytest
 import torch
 from peft import LoraConfig
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxlora
 from fxlora.testing import make_adapter, tiny_model
@@ -54,3 +56,25 @@ def test_an_unknown_inner_compiler_is_refused():
     model = tiny_model("llama", seed=3)
     with pytest.raises(ValueError, match="inner compiler 'tvm' is not one of"):
         fxlora.compile(model, inner="tvm")
+
+
+def test_inductor_cache_key_holds_the_ops_sources(monkeypatch):
+    # the key covers a graph, not the fakes of the custom ops in it: the ops' sources salt it
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    from fxlora.compiler import inner
+
+    def compiled_once() -> tuple[int, int]:
+        gm = make_fx(lambda x: torch.relu(x) * 2, tracing_mode="fake")(torch.randn(4, 8))
+        hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        run = inner.compile_inner(gm, "inductor")
+        x = torch.randn(4, 8)
+        assert torch.equal(run(x), torch.relu(x) * 2)
+        return counters["inductor"]["fxgraph_cache_hit"] - hits, counters["inductor"]["fxgraph_cache_miss"] - misses
+
+    with fresh_cache():
+        assert compiled_once() == (0, 1)
+        assert compiled_once() == (1, 0)  # the same sources: served from the cache
+        monkeypatch.setattr(inner, "ops_digest", lambda: b"other ops")
+        assert compiled_once() == (0, 1)  # other sources: compiled again

@@ -7,17 +7,59 @@ adds around the ``fxlora::`` ops (opaque custom ops to it) and plans the graph's
 itself, so ``hoist`` does not run there. Inductor traces the graph again from the traced
 values of its inputs, which carry Dynamo's symbolic sizes: one compilation serves every
 batch bucket and prompt length, as the FX graph does.
+
+Inductor's FX graph cache keys a compilation on the graph and its own configuration, not on
+the fake implementations of the custom ops in it: a cache warmed by an older fxlora whose
+ops' output shapes differ would serve code compiled for those. :class:`OpsSalt`, a post-grad
+pass that changes nothing, puts a hash of the ops' sources into the key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+import fxlora.ops
 
 INNER = ("eager", "inductor")
+
+
+@cache
+def ops_digest() -> bytes:
+    """A hash of the sources of fxlora's ops: their fakes, references and kernels."""
+    root = Path(fxlora.ops.__file__).parent
+    return get_hash_for_files(tuple(str(p) for p in sorted(root.rglob("*.py"))))
+
+
+class OpsSalt(CustomGraphPass):
+    """Inductor's post-grad custom pass for fxlora's graphs: runs the one configured before
+    (``then``), if any, and adds :func:`ops_digest` to its ``uuid``, which Inductor's cache
+    key holds."""
+
+    def __init__(self, then: CustomGraphPass | None):
+        self.then = then
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self) -> Any:
+        return (ops_digest(), None if self.then is None else self.then.uuid())
+
+
+def cache_salt() -> dict[str, Any]:
+    """Inductor config patches that salt its cache key with :func:`ops_digest`; none where a
+    plain callable is the post-grad pass (Inductor does not cache such compilations)."""
+    configured = torch._inductor.config.post_grad_custom_post_pass
+    if configured is not None and not isinstance(configured, CustomGraphPass):
+        return {}
+    return {"post_grad_custom_post_pass": OpsSalt(configured)}
 
 
 def resolve(inner: str | None, device: torch.device) -> str:
@@ -45,7 +87,7 @@ def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
             # the graph is an inference graph: no input asks for gradients, whatever the grad mode
             example_inputs.append(value.detach() if isinstance(value, torch.Tensor) else value)
     with torch.no_grad():  # an inference graph: fxlora's ops have no backward
-        compiled = compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs, config_patches=cache_salt())
 
     def run(*args: Any) -> Any:
         with torch.no_grad():  # Inductor may finish compiling on the first call
