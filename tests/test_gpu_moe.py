@@ -13,7 +13,7 @@ from peft import LoraConfig
 
 import fxlora
 from fxlora.ops import batch_info
-from fxlora.ops.moe_lora import moe_lora, moe_lora_triton, moe_routing_workspace, moe_workspace
+from fxlora.ops.moe_lora import moe_lora, moe_lora_composed
 from fxlora.testing import assert_matches_peft, make_adapter, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -46,8 +46,7 @@ def _routing(tokens, experts, top_k, gen, dtype):
 
 def _call(fn, x, idx, w, p, slot_ids, slots=4):
     token_slot = batch_info(slot_ids, x, 1, slots)[0]
-    scratch = moe_workspace(idx, p["up_lora"][0]), moe_routing_workspace(idx)
-    return fn(x, idx, w, p["up"], None, p["down"], None, p["up_lora"], p["down_lora"], token_slot, *scratch, False, "glu", "silu", 0.0, 0.0)
+    return fn(x, idx, w, p["up"], None, p["down"], None, p["up_lora"], p["down_lora"], token_slot, False, "glu", "silu", 0.0, 0.0)
 
 
 def _reference(x, idx, w, p, slot_ids):
@@ -58,13 +57,13 @@ def _reference(x, idx, w, p, slot_ids):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("tokens", [1, 32, 128])
-def test_triton_path_at_real_sizes(tokens, dtype):
+def test_composition_at_real_sizes(tokens, dtype):
     p = _case(tokens, dtype)
     gen = torch.Generator().manual_seed(tokens)
     x = (torch.randn(tokens, 2048, generator=gen)).to("cuda", dtype)
     idx, w = _routing(tokens, 64, 8, gen, dtype)
     slot_ids = torch.randint(-1, 4, (tokens,), generator=gen, dtype=torch.int32).cuda()
-    out = _call(moe_lora_triton, x, idx, w, p, slot_ids)
+    out = _call(moe_lora_composed, x, idx, w, p, slot_ids)
     ref = _reference(x, idx, w, p, slot_ids)
     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
     assert err < {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype], err
@@ -77,16 +76,16 @@ def test_no_sync_and_graph_replay_with_new_routing_assignments_and_weights():
     x = torch.randn(tokens, 512, generator=gen).to("cuda", dtype)
     idx, w = _routing(tokens, 16, 4, gen, dtype)
     slot_ids = torch.zeros(tokens, dtype=torch.int32, device="cuda")
-    _call(moe_lora_triton, x, idx, w, p, slot_ids)  # compile the kernels
+    _call(moe_lora_composed, x, idx, w, p, slot_ids)  # compile the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _call(moe_lora_triton, x, idx, w, p, slot_ids)
+        _call(moe_lora_composed, x, idx, w, p, slot_ids)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _call(moe_lora_triton, x, idx, w, p, slot_ids)
+        out = _call(moe_lora_composed, x, idx, w, p, slot_ids)
     for step in range(4):
         new_idx, new_w = _routing(tokens, 16, 4, gen, dtype)
         idx.copy_(new_idx)

@@ -1,5 +1,5 @@
-"""fxlora::moe_lora: the Triton path (grouped GEMMs + SGMV over (slot, expert) segments)
-against the PyTorch reference, over routing, expert counts, widths that are not multiples
+"""fxlora::moe_lora: its composition (grouped GEMMs + fxlora::lora_delta over (slot, expert)
+segments, the CUDA implementation and what Inductor compiles) against the PyTorch reference, over routing, expert counts, widths that are not multiples
 of the block sizes, ranks, gates, layouts and batch mixes including all-None and
 all-one-adapter. On a machine without CUDA the kernels run in Triton's interpreter, float32
 and float16."""
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxlora.ops import batch_info
-from fxlora.ops.moe_lora import GATES, moe_lora, moe_lora_triton, moe_routing_workspace, moe_workspace
+from fxlora.ops.moe_lora import GATES, moe_lora, moe_lora_composed
 
 pytest.importorskip("fxlora.ops.triton.sgmv")
 
@@ -49,14 +49,7 @@ def run(fn, case, slot_ids, slots, gate, transposed, lora_on):
     device_case = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (x, index, weights, up, up_b, down, down_b)]
     lora = [[t.to(DEVICE) for t in factors] if on else [] for on, factors in zip(lora_on, (up_lora, down_lora))]
     token_slot = batch_info(slot_ids.to(DEVICE), device_case[0], 1, slots)[0]
-    scratch = _scratch(device_case[1], lora)
-    return fn(*device_case, *lora, token_slot, *scratch, transposed, gate, "silu", 1.702, 7.0)
-
-
-def _scratch(index, lora):
-    """The op's scratch, for the up and down bundles ``lora`` (an empty one: no LoRA there)."""
-    up, down = lora
-    return moe_workspace(index, (up or down)[0]), moe_routing_workspace(index)
+    return fn(*device_case, *lora, token_slot, transposed, gate, "silu", 1.702, 7.0)
 
 
 @settings(deadline=None)
@@ -74,7 +67,7 @@ def _scratch(index, lora):
     dtype=st.sampled_from(DTYPES),
     data=st.data(),
 )
-def test_triton_path_matches_reference(tokens, experts, hidden, inter, slots, max_rank, gate, transposed, bias, lora_on, dtype, data):
+def test_composition_matches_reference(tokens, experts, hidden, inter, slots, max_rank, gate, transposed, bias, lora_on, dtype, data):
     top_k = data.draw(st.integers(1, experts), label="top_k")
     ranks = [data.draw(st.lists(st.integers(0, max_rank), min_size=slots, max_size=slots), label="ranks") for _ in range(2)]
     mix = data.draw(st.sampled_from(["mixed", "none", "one"]), label="mix")
@@ -85,7 +78,7 @@ def test_triton_path_matches_reference(tokens, experts, hidden, inter, slots, ma
     slot_ids = torch.tensor(rows, dtype=torch.int32)
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
     case = make_case(gen, tokens, top_k, experts, hidden, inter, slots, max_rank, ranks, gate, transposed, bias, dtype)
-    got = run(moe_lora_triton, case, slot_ids, slots, gate, transposed, lora_on)
+    got = run(moe_lora_composed, case, slot_ids, slots, gate, transposed, lora_on)
     want = _reference(case, slot_ids, slots, gate, transposed, lora_on)
     torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[dtype])
 
@@ -99,7 +92,7 @@ def _reference(case, slot_ids, slots, gate, transposed, lora_on):
         for on, factors in zip(lora_on, (up_lora, down_lora))
     ]
     token_slot = batch_info(slot_ids, f32[0], 1, slots)[0]
-    return moe_lora(*f32, *lora, token_slot, *_scratch(f32[1], lora), transposed, gate, "silu", 1.702, 7.0)
+    return moe_lora(*f32, *lora, token_slot, transposed, gate, "silu", 1.702, 7.0)
 
 
 @pytest.mark.parametrize("mix", ["none", "mixed", "one"])
@@ -111,7 +104,7 @@ def test_long_pair_lists_match_reference(mix):
     rows = {"none": [-1] * tokens, "one": [2] * tokens}.get(mix) or torch.randint(-1, slots, (tokens,), generator=gen).tolist()
     slot_ids = torch.tensor(rows, dtype=torch.int32)
     case = make_case(gen, tokens, top_k, experts, 16, 8, slots, 4, [[4, 2, 0, 3], [1, 4, 4, 2]], "glu", False, False, dtype)
-    got = run(moe_lora_triton, case, slot_ids, slots, "glu", False, (True, True))
+    got = run(moe_lora_composed, case, slot_ids, slots, "glu", False, (True, True))
     want = _reference(case, slot_ids, slots, "glu", False, (True, True))
     torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[dtype])
 
@@ -124,5 +117,5 @@ def test_absent_projection_is_an_empty_bundle():
     x, index, weights, up, up_b, down, down_b, _, down_lora = case
     lora = [[], list(down_lora)]
     token_slot = batch_info(torch.tensor([0, -1, 1, 0, 1], dtype=torch.int32), x, 1, 2)[0]
-    args = (x, index, weights, up, up_b, down, down_b, *lora, token_slot, *_scratch(index, lora), False, "glu", "silu", 0.0, 0.0)
+    args = (x, index, weights, up, up_b, down, down_b, *lora, token_slot, False, "glu", "silu", 0.0, 0.0)
     torch.library.opcheck(torch.ops.fxlora.moe_lora.default, args, test_utils=("test_schema", "test_faketensor"))

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from fxlora.ops.lora_delta import lora_workspace
-from fxlora.ops.moe_lora import moe_routing_workspace, moe_workspace
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ KINDS: dict[str, tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor, tupl
 }
 # The LoRA ops' scratch, which the LoRA passes insert as calls of their own; like every kind,
 # each takes device="meta" to compute its shape.
-WORKSPACES = {f: f.__name__ for f in (lora_workspace, moe_workspace, moe_routing_workspace)}
+WORKSPACES = {f: f.__name__ for f in (lora_workspace,)}
 KINDS.update({kind: (f, _none) for f, kind in WORKSPACES.items()})
 
 

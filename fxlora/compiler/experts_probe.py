@@ -26,7 +26,7 @@ from fxlora.adapters import experts
 from fxlora.adapters.experts import ExpertsLayout
 from fxlora.adapters.sharding import agree, local_tensor, process_group
 from fxlora.errors import NotServed
-from fxlora.ops.moe_lora import apply_gate, local_routing, moe_routing_workspace, moe_workspace
+from fxlora.ops.moe_lora import apply_gate, local_routing
 
 # Relative error allowed between the op and the module's forward on the probe, per dtype:
 # the two round in a different order (grouped vs per-expert GEMMs), nothing more. A wrong
@@ -116,7 +116,6 @@ def _compare(module, layout, hidden, routes, up_lora, down_lora, mine) -> float 
     up, down = params[up_name], params["down_proj"]
     biases = [getattr(module, f"{n}_bias") if module.has_bias else None for n in (up_name, "down_proj")]
     no_adapter = torch.full((hidden.shape[0],), -1, dtype=torch.int32, device=hidden.device)
-    scratch = (moe_workspace(index, (up_lora or down_lora)[0]), moe_routing_workspace(index))
     name = type(module).__name__
     group = process_group(module)
     with torch.no_grad():
@@ -128,7 +127,7 @@ def _compare(module, layout, hidden, routes, up_lora, down_lora, mine) -> float 
             ours = (index, weights) if first is None else local_routing(index, weights, first, mine[1])
             got = torch.ops.fxlora.moe_lora.default(
                 hidden, *ours, local_tensor(up), biases[0], local_tensor(down), biases[1], up_lora, down_lora,
-                no_adapter, *scratch, **dataclasses.asdict(layout),
+                no_adapter, **dataclasses.asdict(layout),
             )  # fmt: skip
         except RuntimeError as e:  # e.g. weights whose shapes the layout reads the wrong way round
             got = f"fxlora::moe_lora with the layout read from it ({_describe(layout)}) does not run on a probe: {e}"

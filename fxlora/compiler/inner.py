@@ -4,7 +4,9 @@
 and ``hoist`` has placed its allocations in the arena. ``"inductor"`` hands each variant to
 Inductor, which fuses the base model's norms, rotary embeddings, activations and residual
 adds around the ``fxlora::`` ops (opaque custom ops to it) and plans the graph's memory
-itself, so ``hoist`` does not run there. Inductor traces the graph again from the traced
+itself, so ``hoist`` does not run there. On CUDA it compiles an op that has a composition of
+ATen ops and smaller ``fxlora::`` ops (``fxlora.ops.COMPOSITIONS``: ``fxlora::moe_lora``) as
+that composition, whose glue it then fuses; the variant's own graph keeps the op. Inductor traces the graph again from the traced
 values of its inputs, which carry Dynamo's symbolic sizes: one compilation serves every
 batch bucket and prompt length, as the FX graph does.
 
@@ -26,6 +28,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import fxlora.ops
+from fxlora.ops import COMPOSITIONS
 
 INNER = ("eager", "inductor")
 
@@ -71,6 +74,25 @@ def resolve(inner: str | None, device: torch.device) -> str:
     return inner
 
 
+def composed(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm``, or where it calls on CUDA an op of :data:`COMPOSITIONS`, a copy calling the
+    composition instead (Inductor traces through a Python function, not into a custom op)."""
+    swap = [n for n in gm.graph.nodes if n.target in COMPOSITIONS and _on_cuda(n)]
+    if not swap:
+        return gm
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    for n in swap:
+        copies[n].target = COMPOSITIONS[n.target]
+    return fx.GraphModule(gm, graph)
+
+
+def _on_cuda(node: fx.Node) -> bool:
+    value = node.meta.get("val", node.meta.get("example_value"))
+    return isinstance(value, torch.Tensor) and value.is_cuda
+
+
 def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
     """The callable that runs ``gm`` (a variant of a graph Dynamo traced, compiled while
     Dynamo's tracing context is current)."""
@@ -87,7 +109,7 @@ def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
             # the graph is an inference graph: no input asks for gradients, whatever the grad mode
             example_inputs.append(value.detach() if isinstance(value, torch.Tensor) else value)
     with torch.no_grad():  # an inference graph: fxlora's ops have no backward
-        compiled = compile_fx(gm, example_inputs, config_patches=cache_salt())
+        compiled = compile_fx(composed(gm), example_inputs, config_patches=cache_salt())
 
     def run(*args: Any) -> Any:
         with torch.no_grad():  # Inductor may finish compiling on the first call

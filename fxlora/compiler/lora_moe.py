@@ -49,7 +49,7 @@ from fxlora.compiler.graph_edit import (
     split_reduction,
 )
 from fxlora.errors import NotServed
-from fxlora.ops.moe_lora import local_routing, moe_routing_workspace, moe_workspace
+from fxlora.ops.moe_lora import local_routing
 
 OP = "fxlora::moe_lora"
 
@@ -101,16 +101,10 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
                 node.meta["example_value"] = routes.meta["example_value"][i]
         up_lora, down_lora = (pool_nodes(gm, targets[n]) if n in targets else [] for n in (up_name, "down_proj"))
         token_slot = batch_info_for(gm, ctx, hidden, 1, rows)[0]
-        pool_a = (up_lora or down_lora)[0]
-        a_value = next(t.lora_a for t in targets.values())
-        workspace = gm.graph.call_function(moe_workspace, (top_k_index, pool_a))
-        fake_value(workspace, lambda idx: moe_workspace(idx, a_value, device=idx.device), top_k_index)
-        routing = gm.graph.call_function(moe_routing_workspace, (top_k_index,))
-        fake_value(routing, moe_routing_workspace, top_k_index)
         args = (
             hidden, top_k_index, top_k_weights,
             found["up"], found.get("up_bias"), found["down"], found.get("down_bias"),
-            up_lora, down_lora, token_slot, workspace, routing,
+            up_lora, down_lora, token_slot,
         )  # fmt: skip
         op = gm.graph.call_function(torch.ops.fxlora.moe_lora.default, args, dataclasses.asdict(layout))
     op.meta.update({k: v for k, v in output.meta.items() if k in ("val", "example_value", "nn_module_stack")})

@@ -17,10 +17,11 @@ from fxlora.ops.decode_attention import decode_attention
 from fxlora.ops.lora_delta import lora_delta
 from fxlora.ops.lora_embedding import lora_embedding
 from fxlora.ops.lora_linear import lora_linear, lora_linear_fused
-from fxlora.ops.moe_lora import moe_lora
+from fxlora.ops.moe_lora import COMPOSITIONS, moe_lora
 from fxlora.ops.operands import BatchInfo, LoraWeights
 
 __all__ = [
+    "COMPOSITIONS",
     "BatchInfo",
     "LoraWeights",
     "batch_info",

@@ -31,16 +31,14 @@ LoRA passes an empty one. ``token_slot`` is each token's slot
 ``act`` is a ``transformers`` activation name (``ACT2FN``). The reference reads routing on
 the host; it is the implementation on CPU and the oracle of the CUDA one.
 
-On CUDA (:func:`moe_lora_triton`) nothing depends on the routing's values on the host: the
-token–expert pairs are sorted by expert on the device, the base GEMMs are grouped GEMMs
-over the experts' segments (``grouped_mm``), and the LoRA deltas are the SGMV kernels of
-:mod:`fxlora.ops.triton.sgmv` over a list of ``(slot, expert)`` segments (the pool read as
-``slots · E`` adapters; at most one entry per pair, as ``fxlora::batch_info``'s), whose sizes
-are fixed by the token count and ``top_k``.
-So the op is capturable in a CUDA graph and replays with any routing and adapters. Its
-scratch — the pair order (``routing``, from :func:`moe_routing_workspace`) and the LoRA
-shrink results (``workspace``, from :func:`moe_workspace`) — comes in as arguments that the
-graph allocates as nodes of their own, so the ``hoist`` pass places them in the arena.
+On CUDA the op is :func:`moe_lora_composed`, which reads nothing of the routing on the host:
+ATen ops sort the token–expert pairs by expert, the base GEMMs are grouped GEMMs over the
+experts' segments (``grouped_mm``), and the LoRA deltas are ``fxlora::lora_delta`` over the
+pairs, the pool read as ``slots · E`` adapters and the pairs' ``(slot, expert)`` segments from
+``fxlora::batch_info``. So it is capturable in a CUDA graph and replays with any routing and
+adapters. Under Inductor the graph holds the composition in place of the op
+(:data:`COMPOSITIONS`): Inductor fuses its routing, gate and routed sum as it does the
+model's own experts code, and only the GEMMs and the LoRA kernels stay calls.
 """
 
 from __future__ import annotations
@@ -48,8 +46,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxlora.ops.batch_info import fast_token_segments, slot_groups
-from fxlora.ops.operands import BatchInfo, LoraWeights, optional_weights
+from fxlora.ops.batch_info import slot_groups
+from fxlora.ops.lora_delta import lora_workspace
+from fxlora.ops.operands import LoraWeights, optional_weights
 from fxlora.ops.triton import sgmv
 
 GATES = ("glu", "glu_clamped", "glu_interleaved_clamped", "glu_concatenated_clamped", "glu_softcapped", "act")
@@ -89,16 +88,6 @@ def _add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoraWeights | None, expert
         y.index_add_(0, rows, (delta * scaling[s].to(delta.dtype)).to(y.dtype))
 
 
-def moe_workspace(top_k_index: torch.Tensor, lora_a: torch.Tensor, *, device=None) -> torch.Tensor:
-    """Scratch for the up and down LoRA shrink results, ``(2, pairs, max_rank)`` float32."""
-    return torch.empty((2, top_k_index.numel(), lora_a.shape[-2]), dtype=torch.float32, device=device or lora_a.device)
-
-
-def moe_routing_workspace(top_k_index: torch.Tensor, *, device=None) -> torch.Tensor:
-    """Scratch for the pairs' order: sorted expert ids, permutation, token and pool id per pair."""
-    return torch.empty((4, top_k_index.numel()), dtype=torch.int64, device=device or top_k_index.device)
-
-
 def local_routing(
     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, first: int, count: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +101,7 @@ def local_routing(
 
 
 
-@torch.library.custom_op("fxlora::moe_lora", mutates_args=("workspace", "routing"))
+@torch.library.custom_op("fxlora::moe_lora", mutates_args=())
 def moe_lora(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -124,8 +113,6 @@ def moe_lora(
     up_lora: list[torch.Tensor],
     down_lora: list[torch.Tensor],
     token_slot: torch.Tensor,
-    workspace: torch.Tensor,
-    routing: torch.Tensor,
     transposed: bool,
     gate: str,
     act: str,
@@ -148,7 +135,7 @@ def moe_lora(
     return weighted.sum(dim=1).to(hidden.dtype)
 
 
-def moe_lora_triton(
+def moe_lora_composed(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
@@ -159,38 +146,37 @@ def moe_lora_triton(
     up_lora: list[torch.Tensor],
     down_lora: list[torch.Tensor],
     token_slot: torch.Tensor,
-    workspace: torch.Tensor,
-    routing: torch.Tensor,
     transposed: bool,
     gate: str,
     act: str,
     alpha: float,
     limit: float,
 ) -> torch.Tensor:
+    """The op as ATen ops around ``fxlora::batch_info`` and ``fxlora::lora_delta``: its CUDA
+    implementation, and what Inductor compiles in its place."""
     up, down = optional_weights(up_lora), optional_weights(down_lora)
     tokens, top_k = top_k_index.shape
     experts = up_weight.shape[0]
     expert_ids = top_k_index.reshape(-1)
-    pair_expert, order, pair_token, pool_id = routing.unbind(0)
-    torch.sort(expert_ids.long(), stable=True, out=(pair_expert, order))  # pairs grouped by expert
-    torch.div(order, top_k, rounding_mode="floor", out=pair_token)
+    pair_expert, order = torch.sort(expert_ids, stable=True)  # pairs grouped by expert
+    pair_token = torch.div(order, top_k, rounding_mode="floor")
     x = hidden.index_select(0, pair_token).to(up_weight.dtype)
     counts = torch.zeros(experts, dtype=torch.int32, device=hidden.device)
-    counts.scatter_add_(0, expert_ids.long(), torch.ones_like(expert_ids, dtype=torch.int32))
+    counts = counts.scatter_add(0, expert_ids.long(), torch.ones_like(expert_ids, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    # LoRA segments: pair -> slot * E + expert, or -1 for rows without an adapter
-    pair_slot = token_slot.index_select(0, pair_token).long()
-    torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, pair_slot, out=pool_id)  # -1 stays -1
+    # each pair's adapter in the pool read as slots · E adapters: slot * E + expert, or -1 without one
+    pair_slot = token_slot.index_select(0, pair_token)
+    pool_id = torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, -1).to(torch.int32)
     slots = (up or down).lora_a.shape[0]
-    pairs = BatchInfo(*fast_token_segments(pool_id, 1, slots * experts))  # at most one segment per pair
+    pairs = torch.ops.fxlora.batch_info(pool_id, x, 1, slots * experts)
 
     h = _grouped_linear(x, up_weight, offsets, up_bias, pair_expert, transposed)
-    _add_lora_segments(h, x, up, pairs, experts, workspace[0])
+    _add_lora_pairs(h, x, up, pairs, experts)
     g = apply_gate(h, gate, act, alpha, limit)
     o = _grouped_linear(g, down_weight, offsets, down_bias, pair_expert, transposed)
-    _add_lora_segments(o, g, down, pairs, experts, workspace[1])
+    _add_lora_pairs(o, g, down, pairs, experts)
     o = o * top_k_weights.reshape(-1)[order, None].to(o.dtype)
-    weighted = torch.empty_like(o).index_copy_(0, order, o)  # back to (token, k) order
+    weighted = torch.empty_like(o).index_copy(0, order, o)  # back to (token, k) order
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
 
@@ -208,25 +194,29 @@ def _grouped_linear(x, weight, offsets, bias, pair_expert, transposed: bool):
     return y if bias is None else y + bias[pair_expert]
 
 
-def _add_lora_segments(
-    y: torch.Tensor, x: torch.Tensor, lora: LoraWeights | None, pairs: BatchInfo, experts: int, out: torch.Tensor
+def _add_lora_pairs(
+    y: torch.Tensor, x: torch.Tensor, lora: LoraWeights | None, pairs: tuple[torch.Tensor, ...], experts: int
 ) -> None:
-    """``y += scaling · (x @ A[s, e]ᵀ) @ B[s, e]ᵀ`` per pair, the pool read as ``slots · E`` adapters
-    (``pairs``: the pairs' segments, as ``fxlora::batch_info``'s for tokens)."""
+    """``y += scaling · (x @ A[s, e]ᵀ) @ B[s, e]ᵀ`` per pair, the pool read as ``slots · E``
+    adapters (``pairs``: ``fxlora::batch_info`` of the pairs' pool ids)."""
     if lora is None:
         return
     lora_a, lora_b, scaling, rank = lora
     slots, _, max_rank, fin = lora_a.shape
-    per_pair_rank = rank.repeat_interleave(experts)
-    per_pair_scaling = scaling.repeat_interleave(experts)
-    a = lora_a.view(slots * experts, max_rank, fin)
-    v = sgmv.lora_shrink(x.contiguous(), a, per_pair_rank, *pairs.segments, out=out)
-    b = lora_b.view(slots * experts, lora_b.shape[2], max_rank)
-    sgmv.lora_expand(y, v, b, per_pair_scaling, per_pair_rank, *pairs.segments)
+    per_pair = [
+        lora_a.view(slots * experts, max_rank, fin),
+        lora_b.view(slots * experts, lora_b.shape[2], max_rank),
+        scaling.repeat_interleave(experts),
+        rank.repeat_interleave(experts),
+    ]
+    torch.ops.fxlora.lora_delta(x, [y], per_pair, list(pairs), lora_workspace(x, per_pair[0]))
 
 
 if sgmv is not None:
-    moe_lora.register_kernel("cuda")(moe_lora_triton)
+    moe_lora.register_kernel("cuda")(moe_lora_composed)
+
+# ops that Inductor compiles as their composition on CUDA (fxlora.compiler.inner)
+COMPOSITIONS = {torch.ops.fxlora.moe_lora.default: moe_lora_composed}
 
 
 @moe_lora.register_fake
