@@ -6,9 +6,9 @@ Inductor, which fuses the base model's norms, rotary embeddings, activations and
 adds around the ``fxlora::`` ops (opaque custom ops to it) and plans the graph's memory
 itself, so ``hoist`` does not run there. On CUDA it compiles an op that has a composition of
 ATen ops and smaller ``fxlora::`` ops (``fxlora.ops.COMPOSITIONS``: ``fxlora::moe_lora``) as
-that composition, whose glue it then fuses; the variant's own graph keeps the op. Inductor traces the graph again from the traced
-values of its inputs, which carry Dynamo's symbolic sizes: one compilation serves every
-batch bucket and prompt length, as the FX graph does.
+that composition, whose glue it then fuses; the variant's own graph keeps the op. Inductor
+traces the graph again from the traced values of its inputs, which carry Dynamo's symbolic
+sizes: one compilation serves every batch bucket and prompt length, as the FX graph does.
 
 Inductor's FX graph cache keys a compilation on the graph and its own configuration, not on
 the fake implementations of the custom ops in it: a cache warmed by an older fxlora whose
@@ -28,7 +28,6 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import fxlora.ops
-from fxlora.ops import COMPOSITIONS
 
 INNER = ("eager", "inductor")
 
@@ -77,14 +76,14 @@ def resolve(inner: str | None, device: torch.device) -> str:
 def composed(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm``, or where it calls on CUDA an op of :data:`COMPOSITIONS`, a copy calling the
     composition instead (Inductor traces through a Python function, not into a custom op)."""
-    swap = [n for n in gm.graph.nodes if n.target in COMPOSITIONS and _on_cuda(n)]
+    swap = [n for n in gm.graph.nodes if n.target in fxlora.ops.COMPOSITIONS and _on_cuda(n)]
     if not swap:
         return gm
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, copies))
     for n in swap:
-        copies[n].target = COMPOSITIONS[n.target]
+        copies[n].target = fxlora.ops.COMPOSITIONS[n.target]
     return fx.GraphModule(gm, graph)
 
 

@@ -107,8 +107,8 @@ def segments(
     :func:`slot_segments` where the pool has no more slots than there are tokens, else the
     compact list of :func:`compact_segments`, which takes twice as many small kernels. The
     list has ``entries`` entries (at least ``min(T, num_slots)``; by default that many):
-    ``fxlora::batch_info`` asks for ``num_slots``, the MoE op, whose shapes no graph sees, for
-    the fewest."""
+    ``fxlora::batch_info`` asks for ``num_slots``, so that its length does not depend on the
+    token count."""
     if num_slots > token_slot.numel():
         return compact_segments(token_slot, num_slots, entries)
     return slot_segments(token_slot, num_slots)
