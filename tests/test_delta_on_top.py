@@ -74,15 +74,17 @@ def test_falcon_linears_get_the_delta_onto_their_matmul():
     assert "query_key_value + dense_h_to_4h" in cm.explain()
 
 
-QUANT_TYPES = ["int8", "int4"]
+QUANT_TYPES = ["int8", "int4", "fp8"]
 
 
 def quant_type(name):
     pytest.importorskip("torchao")
-    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup
 
     if name == "int8":
         return Int8WeightOnlyConfig()
+    if name == "fp8":
+        return Float8WeightOnlyConfig()  # float8_e4m3 weights, per-row scales
     return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))  # dense int4, runs on CPU
 
 
@@ -209,6 +211,23 @@ def test_a_packed_weight_of_another_method_is_refused_at_compile_time(llama):
     proj.weight = torch.nn.Parameter(proj.weight.to(torch.int8), requires_grad=False)  # as a packed weight is
     adapters = adapters_for(llama, ["up_proj"])
     with pytest.raises(fxlora.QuantizationError, match=r"quantised \(bitsandbytes\).*'model\.layers\.1\.mlp\.up_proj'"):
+        fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
+
+
+def test_fine_grained_fp8_linears_are_refused_at_compile_time(llama):
+    # transformers' FP8Linear holds a float8 weight in a plain parameter and runs a kernel of its own
+    import copy
+
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    model = copy.deepcopy(llama)
+    config = FineGrainedFP8Config()
+    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"], quantization_config=config)
+    model.to_empty(device="cpu")  # the FP8 linears were made on the meta device
+    model.config.quantization_config = config
+    adapters = adapters_for(llama, ["q_proj"])
+    with pytest.raises(fxlora.QuantizationError, match=r"quantised \(fp8\).*'model\.layers\.0\.self_attn\.q_proj'.*float8"):
         fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
 
 

@@ -8,8 +8,10 @@ model came through transformers' ``TorchAoConfig`` or ``torchao.quantize_``; so 
 bitsandbytes' 4-bit ``Linear4bit`` (``BitsAndBytesConfig(load_in_4bit=True)``, QLoRA's base),
 whose forward traces as bitsandbytes' own ops and whose LoRA is kept in its compute dtype. A targeted
 embedding or experts parameter quantised so, and a targeted module quantised by another
-method (its own module class or a packed weight), raises :class:`QuantizationError` when the
-model is compiled, naming the method and the module. Experts whose parameters are quantised
+method (its own module class, a packed weight, a float8 weight in a plain parameter as
+transformers' ``FineGrainedFP8Config`` leaves, whose kernels transformers fetches from the
+Hub at run time), raises :class:`QuantizationError` when the model is compiled, naming the
+method and the module. torchao's ``Float8WeightOnlyConfig`` is the served FP8 path. Experts whose parameters are quantised
 keep the model's experts implementation (transformers' grouped GEMMs cannot read them), and
 so carry no LoRA.
 """
@@ -108,8 +110,8 @@ def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str
             raise QuantizationError(
                 f"the base model is quantised ({method}) and LoRA targets {fqn!r} ({type(module).__name__}, weight "
                 f"{type(weight).__name__} {getattr(weight, 'dtype', '')}): fxlora serves quantised bases through torchao "
-                "tensor-subclass weights (transformers' TorchAoConfig, torchao.quantize_) and bitsandbytes' 4-bit "
-                "Linear4bit only"
+                "tensor-subclass weights (transformers' TorchAoConfig, torchao.quantize_; for float8 weights, "
+                "Float8WeightOnlyConfig) and bitsandbytes' 4-bit Linear4bit only"
             )
     quantized_experts = tuple(
         fqn for fqn, m in model.named_modules() if experts.is_experts(m) and any(map(_quantized, experts.experts_parameters(m).values()))
@@ -128,12 +130,16 @@ def _torchao_weight(weight: object) -> bool:
     return is_traceable_wrapper_subclass(weight) and type(weight).__module__.startswith("torchao")
 
 
+PLAIN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _quantized(weight: object) -> bool:
-    """Whether a weight is anything but a plain floating-point tensor."""
+    """Whether a weight is anything but a plain tensor of a compute dtype (a float8 weight,
+    as transformers' ``FP8Linear`` holds, is quantised)."""
     if not isinstance(weight, torch.Tensor):
         return False
     plain = type(weight) in (torch.Tensor, torch.nn.Parameter)
-    return not plain or not weight.dtype.is_floating_point
+    return not plain or weight.dtype not in PLAIN_DTYPES
 
 
 def _plain_module(module: torch.nn.Module) -> bool:
