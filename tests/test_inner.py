@@ -78,3 +78,26 @@ def test_inductor_cache_key_holds_the_ops_sources(monkeypatch):
         assert compiled_once() == (1, 0)  # the same sources: served from the cache
         monkeypatch.setattr(inner, "ops_digest", lambda: b"other ops")
         assert compiled_once() == (0, 1)  # other sources: compiled again
+
+
+def test_inductor_compiles_a_cuda_experts_op_as_its_composition():
+    # the swap happens on a copy: the variant's own graph keeps the op, for explain() and the checks
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxlora.compiler import inner
+    from fxlora.ops.moe_lora import moe_lora_composed
+
+    op = torch.ops.fxlora.moe_lora.default
+    graph = torch.fx.Graph()
+    hidden = graph.placeholder("hidden")
+    node = graph.call_function(op, (hidden,))
+    graph.output(node)
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert inner.composed(gm) is gm  # no traced value: the op stays
+    with FakeTensorMode():
+        node.meta["val"] = torch.empty(4, 8)
+        assert inner.composed(gm) is gm  # on the CPU too
+        node.meta["val"] = torch.empty(4, 8, device="cuda")
+    swapped = inner.composed(gm)
+    assert [n.target for n in swapped.graph.nodes if n.op == "call_function"] == [moe_lora_composed]
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [op]
