@@ -100,8 +100,6 @@ def local_routing(
     return torch.where(mine, local, 0), torch.where(mine, top_k_weights, 0.0)
 
 
-
-
 @torch.library.custom_op("fxlora::moe_lora", mutates_args=())
 def moe_lora(
     hidden: torch.Tensor,
