@@ -20,6 +20,7 @@ import torch
 from fxlora.adapters import AdapterPool, experts, model_modules, placement, read_adapter, sharding
 from fxlora.adapters.peft_format import AdapterSource
 from fxlora.adapters.quantization import check_quantized
+from fxlora.compiler import quantized_experts
 from fxlora.compiler.annotate import ModuleTree
 from fxlora.compiler.experts_probe import choose_layout
 from fxlora.compiler.inner import resolve as resolve_inner
@@ -279,10 +280,14 @@ def compile(
         pool.register_modules(modules, complete=True)
         _check_experts_gates(model, pool)
     config = getattr(model, "config", None)
-    if (
+    if quantized and quantized.experts and not quantized.kept_experts:
+        # grouped_mm cannot read quantised experts: fxlora::moe_lora runs their own GEMMs
+        quantized_experts.serve(model, quantized.method)
+        log.info("experts switched to fxlora::moe_lora on their quantised weights")
+    elif (
         getattr(config, "_experts_implementation", None) in (None, "eager")
         and any(experts.is_experts(m) for m in model.modules())
-        and not (quantized and quantized.experts)  # grouped_mm cannot read quantised experts
+        and not (quantized and quantized.kept_experts)
     ):
         # the eager experts loop reads routing on the host and breaks the graph; this one traces.
         # Switched after every check, so that a compile that fails leaves the model as it was.

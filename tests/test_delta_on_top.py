@@ -238,7 +238,7 @@ def test_a_quantised_method_that_leaves_the_targets_alone_is_named(llama):
     model = copy.deepcopy(llama)
     model.config.quantization_config = {"quant_method": "fp8"}
     cm = fxlora.compile(model, adapters_for(llama, ["q_proj"]), max_loras=2, max_rank=8)
-    assert "note: the base model is quantised (fp8); none of its targeted modules is quantised" in cm.explain()
+    assert "note: the base model is quantised (fp8); none of its targeted linears is quantised" in cm.explain()
 
 
 def test_a_quantised_embedding_is_refused_at_compile_time(llama):
@@ -252,30 +252,3 @@ def test_a_quantised_embedding_is_refused_at_compile_time(llama):
     adapter = make_adapter(llama, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), seed=3, directory="")
     with pytest.raises(fxlora.QuantizationError, match=r"quantised \(torchao\).*embedding 'model\.embed_tokens'"):
         fxlora.compile(model, {"a": adapter}, max_loras=2, max_rank=8)
-
-
-def test_quantised_experts_keep_the_models_loop_and_refuse_lora():
-    """torchao int8 experts (FqnToConfig on the experts' parameters) run transformers' eager
-    loop, which reads them; LoRA on them is refused naming the parameter, LoRA elsewhere is
-    served, and rows without an adapter are the quantised model's own."""
-    pytest.importorskip("torchao")
-    from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig
-
-    torch._dynamo.reset()
-    dense = tiny_model("qwen3_moe", seed=2, intermediate_size=64, moe_intermediate_size=32)
-    per_fqn = {rf"re:.*experts\.{p}": Int8WeightOnlyConfig() for p in ("gate_up_proj", "down_proj")}
-    model = quantized_model(dense, FqnToConfig(per_fqn), experts_implementation="eager")
-    experts_lora = LoraConfig(r=2, target_modules=[], target_parameters=["experts.gate_up_proj"])
-    with pytest.raises(fxlora.QuantizationError, match=r"torchao FqnToConfig.*'model\.layers\.0\.mlp\.experts\.gate_up_proj'"):
-        fxlora.compile(model, {"e": make_adapter(dense, experts_lora, seed=3, directory="")}, max_loras=2, max_rank=8)
-    assert model.config._experts_implementation == "eager"
-    adapters = {
-        "a": make_adapter(dense, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]), seed=1, directory=""),
-        "b": make_adapter(dense, LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"]), seed=2, directory=""),
-    }
-    cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
-    assert model.config._experts_implementation == "eager"  # grouped_mm cannot read Int8Tensor experts
-    batch = inputs(length=5)
-    out = assert_matches_decomposition(cm, model, adapters, NAMES, **batch)
-    check_base_rows(cm, model, batch, out)
-    assert "2 experts module(s) with quantised parameters keep the model's experts implementation" in cm.explain()

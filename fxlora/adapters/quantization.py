@@ -11,9 +11,11 @@ embedding or experts parameter quantised so, and a targeted module quantised by 
 method (its own module class, a packed weight, a float8 weight in a plain parameter as
 transformers' ``FineGrainedFP8Config`` leaves, whose kernels transformers fetches from the
 Hub at run time), raises :class:`QuantizationError` when the model is compiled, naming the
-method and the module. torchao's ``Float8WeightOnlyConfig`` is the served FP8 path. Experts whose parameters are quantised
-keep the model's experts implementation (transformers' grouped GEMMs cannot read them), and
-so carry no LoRA.
+method and the module. torchao's float8 configs are the served FP8 path. Experts whose
+parameters are torchao subclasses (``FqnToConfig`` on ``experts.gate_up_proj`` /
+``experts.down_proj``) run ``fxlora::moe_lora``, whose GEMMs are the subclass's own
+(:mod:`fxlora.compiler.quantized_experts`), and carry LoRA as unquantised experts do; experts
+quantised otherwise keep the model's implementation and carry none.
 """
 
 from __future__ import annotations
@@ -33,23 +35,30 @@ SERVED_METHODS = ("torchao",)
 @dataclass(frozen=True)
 class QuantizedBase:
     """What :func:`check_quantized` found: the method, the targeted linears whose quantised
-    weights keep their traced matmul (the delta goes onto their outputs), and the experts
-    modules with quantised parameters (no LoRA there: they keep the model's experts loop)."""
+    weights keep their traced matmul (the delta goes onto their outputs), the experts modules
+    whose torchao parameters ``fxlora::moe_lora`` reads through their own ops, and the experts
+    modules quantised otherwise (no LoRA there: they keep the model's experts loop)."""
 
     method: str
     modules: tuple[str, ...]
     experts: tuple[str, ...] = ()
+    kept_experts: tuple[str, ...] = ()
 
     def describe(self) -> str:
         n = len(self.modules)
         line = f"the base model is quantised ({self.method})" + (
             f": {n} targeted linear(s) keep their quantised matmul, fxlora::lora_delta adds the LoRA delta onto their outputs"
             if n
-            else "; none of its targeted modules is quantised"
+            else "; none of its targeted linears is quantised"
         )
         if self.experts:
             line += (
-                f"; {len(self.experts)} experts module(s) with quantised parameters keep the model's "
+                f"; {len(self.experts)} experts module(s) with quantised parameters run fxlora::moe_lora on the "
+                "quantised weights' own GEMMs"
+            )
+        if self.kept_experts:
+            line += (
+                f"; {len(self.kept_experts)} experts module(s) with quantised parameters keep the model's "
                 "experts implementation and carry no LoRA"
             )
         return line
@@ -92,11 +101,13 @@ def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str
         module = model.get_submodule(fqn) if info.kind != "experts" else info.owner
         weight = info.weight if info.weight is not None else getattr(module, "weight", None)
         if info.kind == "experts":
-            if _quantized(weight):
+            odd = [p for p in experts.experts_parameters(module).values() if not _served_experts_weight(p)]
+            if odd:
                 raise QuantizationError(
-                    f"the base model is quantised ({method}) and LoRA targets the experts parameter {fqn!r}, which "
-                    f"holds a {type(weight).__name__}: quantised MoE experts cannot carry LoRA; leave "
-                    "them out of the adapters and target_modules"
+                    f"the base model is quantised ({method}) and LoRA targets the experts parameter {fqn!r}, whose "
+                    f"module holds a {type(odd[0]).__name__} {odd[0].dtype}: fxlora serves LoRA on quantised experts whose "
+                    "parameters are torchao tensor subclasses (TorchAoConfig with FqnToConfig on the experts' "
+                    "parameters) only; leave them out of the adapters and target_modules"
                 )
             continue
         if _torchao_weight(weight) or _bitsandbytes_linear(module):
@@ -113,10 +124,13 @@ def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str
                 "tensor-subclass weights (transformers' TorchAoConfig, torchao.quantize_; for float8 weights, "
                 "Float8WeightOnlyConfig) and bitsandbytes' 4-bit Linear4bit only"
             )
-    quantized_experts = tuple(
-        fqn for fqn, m in model.named_modules() if experts.is_experts(m) and any(map(_quantized, experts.experts_parameters(m).values()))
-    )
-    return QuantizedBase(method, tuple(served), quantized_experts)
+    quantized_experts = {
+        fqn: list(experts.experts_parameters(m).values())
+        for fqn, m in model.named_modules()
+        if experts.is_experts(m) and any(map(_quantized, experts.experts_parameters(m).values()))
+    }
+    kept = tuple(fqn for fqn, ps in quantized_experts.items() if not all(map(_served_experts_weight, ps)))
+    return QuantizedBase(method, tuple(served), tuple(f for f in quantized_experts if f not in kept), kept)
 
 
 def _bitsandbytes_linear(module: torch.nn.Module) -> bool:
@@ -128,6 +142,10 @@ def _bitsandbytes_linear(module: torch.nn.Module) -> bool:
 
 def _torchao_weight(weight: object) -> bool:
     return is_traceable_wrapper_subclass(weight) and type(weight).__module__.startswith("torchao")
+
+
+def _served_experts_weight(weight: torch.Tensor) -> bool:
+    return _torchao_weight(weight) or not _quantized(weight)
 
 
 PLAIN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import fxlora.ops
 
@@ -74,9 +75,11 @@ def resolve(inner: str | None, device: torch.device) -> str:
 
 
 def composed(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm``, or where it calls on CUDA an op of :data:`COMPOSITIONS`, a copy calling the
-    composition instead (Inductor traces through a Python function, not into a custom op)."""
-    swap = [n for n in gm.graph.nodes if n.target in fxlora.ops.COMPOSITIONS and _on_cuda(n)]
+    """``gm``, or where it calls on CUDA, or with a tensor-subclass argument (a quantised
+    weight), an op of :data:`COMPOSITIONS`, a copy calling the composition instead (Inductor
+    traces through a Python function, not into a custom op; a subclass computes the
+    composition's ops as its own, or says which one it lacks)."""
+    swap = [n for n in gm.graph.nodes if n.target in fxlora.ops.COMPOSITIONS and (_on_cuda(n) or _reads_subclass(n))]
     if not swap:
         return gm
     graph = fx.Graph()
@@ -90,6 +93,11 @@ def composed(gm: fx.GraphModule) -> fx.GraphModule:
 def _on_cuda(node: fx.Node) -> bool:
     value = node.meta.get("val", node.meta.get("example_value"))
     return isinstance(value, torch.Tensor) and value.is_cuda
+
+
+def _reads_subclass(node: fx.Node) -> bool:
+    values = (a.meta.get("val", a.meta.get("example_value")) for a in node.all_input_nodes)
+    return any(is_traceable_wrapper_subclass(v) for v in values)
 
 
 def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:

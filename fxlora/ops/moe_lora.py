@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from fxlora.ops.batch_info import slot_groups
 from fxlora.ops.lora_delta import lora_workspace
@@ -100,8 +101,7 @@ def local_routing(
     return torch.where(mine, local, 0), torch.where(mine, top_k_weights, 0.0)
 
 
-@torch.library.custom_op("fxlora::moe_lora", mutates_args=())
-def moe_lora(
+def moe_lora_reference(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
@@ -132,6 +132,30 @@ def moe_lora(
         _add_lora(o, g, down, e, slots)
         weighted[token, j] = o * top_k_weights[token, j, None].to(o.dtype)
     return weighted.sum(dim=1).to(hidden.dtype)
+
+
+@torch.library.custom_op("fxlora::moe_lora", mutates_args=())
+def moe_lora(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    up_weight: torch.Tensor,
+    up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    up_lora: list[torch.Tensor],
+    down_lora: list[torch.Tensor],
+    token_slot: torch.Tensor,
+    transposed: bool,
+    gate: str,
+    act: str,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    return moe_lora_reference(
+        hidden, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, up_lora, down_lora, token_slot,
+        transposed, gate, act, alpha, limit,
+    )  # fmt: skip
 
 
 def moe_lora_composed(
@@ -222,5 +246,28 @@ COMPOSITIONS = {torch.ops.fxlora.moe_lora.default: moe_lora_composed}
 
 
 @moe_lora.register_fake
-def _(hidden, top_k_index, *args):
+def moe_lora_fake(hidden, top_k_index, *args, **kwargs):
     return hidden.new_empty(top_k_index.shape[0], hidden.shape[-1])
+
+
+_SERVED_SUBCLASSES: set[type] = set()
+
+
+def serve_weights_of(subclass: type) -> None:
+    """Let the op take experts weights of a tensor ``subclass`` (a quantised weight, say
+    torchao's ``Int8Tensor``), whose own ops then compute the base GEMMs: on CUDA through
+    :func:`moe_lora_composed` (the subclass's transpose and grouped GEMM), elsewhere through
+    the reference (its ``select`` and ``F.linear`` per expert). Fake inputs, as Dynamo traces
+    the experts, give the fake output; a graph compiled for CUDA holds the composition in the
+    op's place (:data:`COMPOSITIONS`), so the op itself is never traced with the subclass."""
+    if subclass in _SERVED_SUBCLASSES:
+        return
+
+    def rule(cls, func, types, args, kwargs):
+        if is_fake(args[0]):
+            return moe_lora_fake(*args, **kwargs)
+        run = moe_lora_composed if args[0].is_cuda and sgmv is not None else moe_lora_reference
+        return run(*args, **kwargs)
+
+    torch.library.register_torch_dispatch("fxlora::moe_lora", subclass, rule)
+    _SERVED_SUBCLASSES.add(subclass)

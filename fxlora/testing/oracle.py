@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 log = logging.getLogger(__name__)
 
@@ -204,18 +206,22 @@ def decomposed_logits(
     adapter (anything :func:`fxlora.adapters.read_adapter` takes) added onto the output of
     every linear and embedding module it touches, as PEFT's wrappers add it onto their base
     layer's (``None``: no delta); run on the sub-batch of rows sharing the adapter, or with
-    ``whole_batch`` on all rows. Adapters of MoE experts parameters have no module output to
-    add onto and are refused."""
+    ``whole_batch`` on all rows. MoE experts LoRA goes onto the output of each expert's GEMM
+    (:class:`ExpertsDeltas`): ``model`` must then run transformers' eager experts loop
+    (``experts_implementation="eager"``), one ``F.linear`` per expert."""
 
     def run(name: str | None) -> Callable[..., Any]:
         if name is None:
             return model
-        hooks = _delta_hooks(model, name, adapters[name])
+        factors = _resolved(model, name, adapters[name])
+        hooks = {fqn: functools.partial(_add_delta, f) for fqn, f in factors.items() if f.kind != "experts"}
+        experts = ExpertsDeltas(model, {fqn: f for fqn, f in factors.items() if f.kind == "experts"})
 
         def call(**rows: Any) -> Any:
             handles = [model.get_submodule(fqn).register_forward_hook(hook, with_kwargs=True) for fqn, hook in hooks.items()]
             try:
-                return model(**rows)
+                with experts:
+                    return model(**rows)
             finally:
                 for h in handles:
                     h.remove()
@@ -225,16 +231,69 @@ def decomposed_logits(
     return _per_adapter_logits(run, adapter_names, whole_batch, inputs)
 
 
-def _delta_hooks(model: torch.nn.Module, name: str, adapter: Any) -> dict[str, Callable[..., Any]]:
-    """Per module the adapter touches, a forward hook adding its delta onto the output."""
+def _resolved(model: torch.nn.Module, name: str, adapter: Any) -> dict[str, Any]:
+    """The adapter's factors per module (or experts parameter) of ``model``."""
     from fxlora.adapters import placement, read_adapter
 
-    hooks = {}
-    for fqn, f in placement.resolve(read_adapter(name, adapter), model).modules.items():
-        if f.kind not in ("linear", "embedding"):
+    factors = placement.resolve(read_adapter(name, adapter), model).modules
+    for fqn, f in factors.items():
+        if f.kind not in ("linear", "embedding", "experts"):
             raise ValueError(f"the decomposition oracle adds deltas onto module outputs; adapter {name!r} has {f.kind} LoRA on {fqn!r}")
-        hooks[fqn] = functools.partial(_add_delta, f)
-    return hooks
+    return factors
+
+
+class ExpertsDeltas(TorchFunctionMode):
+    """While active, ``scaling · (x A[e]ᵀ) B[e]ᵀ`` is added onto each ``F.linear(x, W)``
+    whose ``W`` is expert ``e`` of an experts parameter the adapter touches (``factors``: the
+    parameter's FQN -> its ``"experts"`` factors), found by value: a plain tensor equal to
+    ``parameter[e]``, or a tensor subclass (a quantised weight) whose inner tensors equal
+    those of ``parameter[e]``. Leaving the mode raises if an adapted parameter saw no such
+    call: the model ran no per-expert ``F.linear`` the deltas could go onto."""
+
+    def __init__(self, model: torch.nn.Module, factors: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.experts = []  # (parameter FQN, expert, its weight, factors)
+        for fqn, f in factors.items():
+            owner, _, name = fqn.rpartition(".")
+            module = model.get_submodule(owner)
+            if module.is_transposed:
+                raise ValueError(f"the decomposition oracle adds experts deltas onto F.linear; {owner!r} stores its weights transposed")
+            weight = getattr(module, name)
+            self.experts += [(fqn, e, weight[e], f) for e in range(weight.shape[0])]
+        self.seen: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is F.linear and self.experts:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            for fqn, e, expert, f in self.experts:
+                if _same_tensor(weight, expert):
+                    a, b = f.a[e if f.a.shape[0] > 1 else 0], f.b[e if f.b.shape[0] > 1 else 0]
+                    out = out + (F.linear(F.linear(x.to(a.dtype), a), b) * f.scaling).to(out.dtype)
+                    self.seen.add(fqn)
+                    break
+        return out
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        missed = sorted({fqn for fqn, *_ in self.experts} - self.seen)
+        if missed and exc[0] is None:
+            raise AssertionError(
+                f"the decomposition oracle found no per-expert F.linear of {missed}: run the oracle model with "
+                "experts_implementation='eager'"
+            )
+        self.seen = set()
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if type(a) is not type(b) or a.shape != b.shape:
+        return False
+    if not is_traceable_wrapper_subclass(a):
+        if a.dtype.itemsize == 1:  # float8 has no equal: compare the bytes
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        return a.dtype == b.dtype and torch.equal(a, b)
+    names = a.__tensor_flatten__()[0]
+    return names == b.__tensor_flatten__()[0] and all(_same_tensor(getattr(a, n), getattr(b, n)) for n in names)
 
 
 def _add_delta(f: Any, module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
