@@ -2,7 +2,8 @@
 what a user would otherwise run, each system in a process of its own, side by side in one
 call.
 
-    python benchmarks/generate.py [--model llama|qwen3_moe] [--batches 1,32,128 | --quick] [--out results.json]
+    python benchmarks/generate.py [--model llama|qwen3_moe] [--batches 1,32,128 | --quick] [--adapters 16]
+                                  [--quant fp8] [--out results.json]
 
 Systems: ``fxlora`` (``fxlora.compile`` with ``max_batch_size`` the largest batch: Inductor
 inside both graphs, CUDA graphs per batch bucket; one process serves both variants);
@@ -12,6 +13,9 @@ the same 16 adapters serving a mixed batch through ``adapter_names`` (eager; a f
 steps, scaled), or for MoE one adapter for the whole batch (PEFT cannot mix adapters on
 experts). Models, adapters (rank 16) and random weights as in ``benchmarks/decode.py``.
 Prompts of 128 tokens, 128 new tokens, greedy, no end token: every call makes all of them.
+``--quant fp8``: every system runs the same FP8 model, torchao's
+``Float8DynamicActivationFloat8WeightConfig`` (per-row scales) on every linear but the output
+head and, for MoE, on the experts' parameters (``FqnToConfig``).
 
 A system's decode rate is ``rows * (new - 1) / (t(new) - t(1))`` and its prefill rate
 ``rows * prompt / t(1)``, ``t(n)`` the median time of a call making ``n`` new tokens after
@@ -52,7 +56,18 @@ def rates(batch: int, t1: float, tn: float, new: int) -> dict:
     return {"decode_tok_s": batch * (new - 1) / (tn - t1), "prefill_tok_s": batch * PROMPT / t1}
 
 
-def run_system(system: str, model_name: str, batches: list[int]) -> dict:
+def quantize(model: torch.nn.Module, quant: str) -> None:
+    if quant == "none":
+        return
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, FqnToConfig, PerRow, quantize_
+
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    quantize_(model, config, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "lm_head")
+    if hasattr(model.config, "num_experts"):
+        quantize_(model, FqnToConfig({rf"re:.*experts\.{p}": config for p in ("gate_up_proj", "down_proj")}), filter_fn=None)
+
+
+def run_system(system: str, model_name: str, batches: list[int], quant: str = "none") -> dict:
     from decode import make_adapters, spec
 
     from fxlora.testing.models import fill_zero_weights
@@ -61,7 +76,8 @@ def run_system(system: str, model_name: str, batches: list[int]) -> dict:
     sp = spec(model_name)
     model = transformers.AutoModelForCausalLM.from_config(sp.config, dtype=torch.bfloat16).cuda().eval()
     fill_zero_weights(model, 0.02)
-    adapters = make_adapters(sp, ADAPTERS)
+    adapters = make_adapters(sp, ADAPTERS)  # from the unquantised weights' shapes
+    quantize(model, quant)
     vocab = sp.config.vocab_size
     prompts = {b: torch.randint(3, vocab, (b, PROMPT), device="cuda") for b in batches}
     results: dict = {"rows": {}}
@@ -122,18 +138,23 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32,128")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 32")
     parser.add_argument("--systems", default="fxlora,transformers,peft")
+    parser.add_argument("--adapters", type=int, default=ADAPTERS, help="adapters in the pool and the lora batches")
+    parser.add_argument("--quant", choices=("none", "fp8"), default="none")
     parser.add_argument("--out", default="generate.json")
     parser.add_argument("--system", help=argparse.SUPPRESS)  # the child process: one system
     args = parser.parse_args()
     if args.quick:
         args.batches = "1,32"
     batches = [int(b) for b in args.batches.split(",")]
+    global ADAPTERS
+    ADAPTERS = args.adapters
     if args.system:
-        print(json.dumps(run_system(args.system, args.model, batches)))
+        print(json.dumps(run_system(args.system, args.model, batches, args.quant)))
         return
     systems = {}
     for system in args.systems.split(","):
-        cmd = [sys.executable, __file__, "--model", args.model, "--batches", args.batches, "--system", system]
+        cmd = [sys.executable, __file__, "--model", args.model, "--batches", args.batches, "--system", system,
+               "--adapters", str(args.adapters), "--quant", args.quant]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             print(f"{system} failed:\n{proc.stderr[-3000:]}")
@@ -161,7 +182,7 @@ def main() -> None:
     meta = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
-        "prompt": PROMPT, "new_tokens": NEW, "adapters": ADAPTERS,
+        "prompt": PROMPT, "new_tokens": NEW, "adapters": ADAPTERS, "quant": args.quant,
     }  # fmt: skip
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "systems": systems}, f, indent=1)

@@ -4,13 +4,14 @@
 # run in $GPU_WORKERS processes (default 4) sharing the GPU: most of their time is Triton
 # compiling kernels, which the processes do side by side. Without a network the test packages
 # install from ./.wheels, which this fills for a Python 3.12 machine:
-#   pip download -d .wheels --python-version 3.12 --only-binary :all: hypothesis pytest-xdist
+#   pip download -d .wheels --python-version 3.12 --only-binary :all: hypothesis pytest-xdist torchao
 # With LATEST_WHEELS=<dir>, the wheels there (e.g. the newest transformers, fetched the same
 # way with --no-deps) are put ahead of the machine's own packages first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
 python3 -c "import hypothesis, xdist" 2>/dev/null || pip install -q --no-index --find-links .wheels hypothesis sortedcontainers pytest-xdist execnet
+python3 -c "import torchao" 2>/dev/null || pip install -q --no-index --no-deps --find-links .wheels torchao  # the quantised bases
 if [ -n "${LATEST_WHEELS:-}" ]; then
     pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/latest-site "$LATEST_WHEELS"/*.whl || exit 1
     export PYTHONPATH="/tmp/latest-site${PYTHONPATH:+:$PYTHONPATH}"

@@ -119,3 +119,30 @@ def test_absent_projection_is_an_empty_bundle():
     token_slot = batch_info(torch.tensor([0, -1, 1, 0, 1], dtype=torch.int32), x, 1, 2)[0]
     args = (x, index, weights, up, up_b, down, down_b, *lora, token_slot, False, "glu", "silu", 0.0, 0.0)
     torch.library.opcheck(torch.ops.fxlora.moe_lora.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_quantised_weights_compute_through_their_subclass():
+    """torchao int8 experts weights (a tensor subclass without transpose or grouped GEMMs):
+    the op (its torch_dispatch rule: the reference on CPU) and its composition (per-expert
+    ``F.linear``, the subclass's own) agree with the reference over the dequantised weights,
+    LoRA on both projections."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig, quantize_
+
+    from fxlora.ops.moe_lora import serve_weights_of
+
+    gen = torch.Generator().manual_seed(3)
+    slots = 3
+    case = make_case(gen, 9, 2, 4, 16, 8, slots, 4, [[4, 2, 0], [1, 4, 3]], "glu", False, False, torch.float32)
+    holder = torch.nn.Module()
+    holder.up, holder.down = (torch.nn.Parameter(t, requires_grad=False) for t in (case[3], case[5]))
+    quantize_(holder, FqnToConfig({"up": Int8WeightOnlyConfig(), "down": Int8WeightOnlyConfig()}), filter_fn=None)
+    assert type(holder.up).__name__ == "Int8Tensor"
+    serve_weights_of(type(holder.up))
+    quantized = (*case[:3], holder.up, None, holder.down, None, *case[7:])
+    dequantized = (*case[:3], holder.up.dequantize(), None, holder.down.dequantize(), None, *case[7:])
+    slot_ids = torch.tensor([0, -1, 2, 1, 0, -1, 2, 2, 1], dtype=torch.int32)
+    want = _reference(dequantized, slot_ids, slots, "glu", False, (True, True))
+    for fn in (moe_lora, moe_lora_composed):
+        got = run(fn, quantized, slot_ids, slots, "glu", False, (True, True))
+        torch.testing.assert_close(got.float().cpu(), want, **TOL[torch.float32])

@@ -209,6 +209,14 @@ def moe_lora_composed(
 def _grouped_linear(x, weight, offsets, bias, pair_expert, transposed: bool):
     """Each segment of ``x`` (pairs sorted by expert, ``offsets`` their cumulative ends)
     times its expert's weight."""
+    try:
+        y = _grouped_mm(x, weight, offsets, transposed)
+    except NotImplementedError:  # a tensor subclass (a quantised weight) without transpose or grouped GEMMs
+        y = _per_expert_linear(x, weight, pair_expert, transposed)
+    return y if bias is None else y + bias[pair_expert]
+
+
+def _grouped_mm(x, weight, offsets, transposed: bool):
     grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
     w = weight if transposed else weight.transpose(-2, -1)  # (E, in, out)
     fin, fout = w.shape[1:]
@@ -216,8 +224,18 @@ def _grouped_linear(x, weight, offsets, bias, pair_expert, transposed: bool):
     pad_in, pad_out = -fin % align, -fout % align
     if pad_in or pad_out:  # grouped GEMMs read 16-byte rows: zero-pad odd widths (a copy; real models never need it)
         x, w = F.pad(x, (0, pad_in)), F.pad(w, (0, pad_out, 0, pad_in))
-    y = grouped_mm(x, w, offs=offsets)[:, :fout]
-    return y if bias is None else y + bias[pair_expert]
+    return grouped_mm(x, w, offs=offsets)[:, :fout]
+
+
+def _per_expert_linear(x, weight, pair_expert, transposed: bool):
+    """The weight's own ``select`` and ``F.linear`` (or matmul) per expert over all pairs, each
+    pair keeping its expert's row: E times the FLOPs of the grouped GEMM, the same weight
+    bytes, and no shape that depends on the routing (so capturable)."""
+    y = None
+    for e in range(weight.shape[0]):
+        ye = x @ weight[e] if transposed else F.linear(x, weight[e])
+        y = ye if y is None else torch.where((pair_expert == e)[:, None], ye, y)
+    return y
 
 
 def _add_lora_pairs(
