@@ -146,8 +146,7 @@ def main() -> None:
     if args.quick:
         args.batches = "1,32"
     batches = [int(b) for b in args.batches.split(",")]
-    global ADAPTERS
-    ADAPTERS = args.adapters
+    globals()["ADAPTERS"] = args.adapters  # read by run_system, in this process and the children
     if args.system:
         print(json.dumps(run_system(args.system, args.model, batches, args.quant)))
         return
