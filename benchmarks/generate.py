@@ -67,7 +67,7 @@ def quantize(model: torch.nn.Module, quant: str) -> None:
         quantize_(model, FqnToConfig({rf"re:.*experts\.{p}": config for p in ("gate_up_proj", "down_proj")}), filter_fn=None)
 
 
-def run_system(system: str, model_name: str, batches: list[int], quant: str = "none") -> dict:
+def run_system(system: str, model_name: str, batches: list[int], count: int = ADAPTERS, quant: str = "none") -> dict:
     from decode import make_adapters, spec
 
     from fxlora.testing.models import fill_zero_weights
@@ -76,7 +76,7 @@ def run_system(system: str, model_name: str, batches: list[int], quant: str = "n
     sp = spec(model_name)
     model = transformers.AutoModelForCausalLM.from_config(sp.config, dtype=torch.bfloat16).cuda().eval()
     fill_zero_weights(model, 0.02)
-    adapters = make_adapters(sp, ADAPTERS)  # from the unquantised weights' shapes
+    adapters = make_adapters(sp, count)  # from the unquantised weights' shapes
     quantize(model, quant)
     vocab = sp.config.vocab_size
     prompts = {b: torch.randint(3, vocab, (b, PROMPT), device="cuda") for b in batches}
@@ -85,11 +85,11 @@ def run_system(system: str, model_name: str, batches: list[int], quant: str = "n
     if system == "fxlora":
         import fxlora
 
-        cm = fxlora.compile(model, adapters, max_loras=ADAPTERS, max_rank=16, max_batch_size=max(batches),
+        cm = fxlora.compile(model, adapters, max_loras=count, max_rank=16, max_batch_size=max(batches),
                             max_len=PROMPT + NEW)  # fmt: skip
         cm.prepare()
         for b in batches:
-            names = {"lora": [f"ad{i % ADAPTERS}" for i in range(b)], "nolora": None}
+            names = {"lora": [f"ad{i % count}" for i in range(b)], "nolora": None}
             for variant, adapter_names in names.items():
                 # no end token, as min_new_tokens=n makes it for transformers and PEFT: every call runs n steps
                 call = lambda n: cm.generate(prompts[b], adapter_names=adapter_names, max_new_tokens=n, eos_token_id=())  # noqa: B023, E731
@@ -121,7 +121,7 @@ def run_system(system: str, model_name: str, batches: list[int], quant: str = "n
             set_peft_model_state_dict(peft_model, state, adapter_name=name)
         peft_model.to(torch.bfloat16).eval()
         for b in batches:
-            extra = {"adapter_names": [f"ad{i % ADAPTERS}" for i in range(b)]} if sp.peft_mixed else {}
+            extra = {"adapter_names": [f"ad{i % count}" for i in range(b)]} if sp.peft_mixed else {}
             def call(n):
                 return peft_model.generate(input_ids=prompts[b], attention_mask=torch.ones_like(prompts[b]),  # noqa: B023
                                            max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **extra)  # noqa: B023
@@ -146,9 +146,8 @@ def main() -> None:
     if args.quick:
         args.batches = "1,32"
     batches = [int(b) for b in args.batches.split(",")]
-    globals()["ADAPTERS"] = args.adapters  # read by run_system, in this process and the children
     if args.system:
-        print(json.dumps(run_system(args.system, args.model, batches, args.quant)))
+        print(json.dumps(run_system(args.system, args.model, batches, args.adapters, args.quant)))
         return
     systems = {}
     for system in args.systems.split(","):
@@ -181,7 +180,7 @@ def main() -> None:
     meta = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
-        "prompt": PROMPT, "new_tokens": NEW, "adapters": ADAPTERS, "quant": args.quant,
+        "prompt": PROMPT, "new_tokens": NEW, "adapters": args.adapters, "quant": args.quant,
     }  # fmt: skip
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "systems": systems}, f, indent=1)
