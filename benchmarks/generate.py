@@ -65,6 +65,7 @@ def quantize(model: torch.nn.Module, quant: str) -> None:
     quantize_(model, config, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "lm_head")
     if hasattr(model.config, "num_experts"):
         quantize_(model, FqnToConfig({rf"re:.*experts\.{p}": config for p in ("gate_up_proj", "down_proj")}), filter_fn=None)
+        model.set_experts_implementation("grouped_mm")  # the one transformers has that reads float8 experts
 
 
 def run_system(system: str, model_name: str, batches: list[int], count: int = ADAPTERS, quant: str = "none") -> dict:

@@ -10,8 +10,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
-python3 -c "import hypothesis, xdist" 2>/dev/null || pip install -q --no-index --find-links .wheels hypothesis sortedcontainers pytest-xdist execnet
-python3 -c "import torchao" 2>/dev/null || pip install -q --no-index --no-deps --find-links .wheels torchao  # the quantised bases
+python3 -c "import hypothesis, xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .wheels hypothesis sortedcontainers pytest-xdist execnet
+python3 -c "import torchao" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --find-links .wheels torchao  # the quantised bases
 if [ -n "${LATEST_WHEELS:-}" ]; then
     pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/latest-site "$LATEST_WHEELS"/*.whl || exit 1
     export PYTHONPATH="/tmp/latest-site${PYTHONPATH:+:$PYTHONPATH}"

@@ -146,3 +146,14 @@ def test_quantised_weights_compute_through_their_subclass():
     for fn in (moe_lora, moe_lora_composed):
         got = run(fn, quantized, slot_ids, slots, "glu", False, (True, True))
         torch.testing.assert_close(got.float().cpu(), want, **TOL[torch.float32])
+
+
+def test_composition_without_any_lora():
+    """Both bundles empty (the experts of a quantised model, traced with no adapter): the
+    composition is the base experts alone."""
+    gen = torch.Generator().manual_seed(4)
+    case = make_case(gen, 6, 2, 3, 8, 4, 2, 2, [[2, 1], [1, 2]], "glu", False, False, torch.float32)
+    slot_ids = torch.full((6,), -1, dtype=torch.int32)
+    got = run(moe_lora_composed, case, slot_ids, 2, "glu", False, (False, False))
+    want = _reference(case, slot_ids, 2, "glu", False, (False, False))
+    torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[torch.float32])

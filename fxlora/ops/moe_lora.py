@@ -190,11 +190,11 @@ def moe_lora_composed(
     counts = torch.zeros(experts, dtype=torch.int32, device=hidden.device)
     counts = counts.scatter_add(0, expert_ids.long(), torch.ones_like(expert_ids, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    # each pair's adapter in the pool read as slots · E adapters: slot * E + expert, or -1 without one
-    pair_slot = token_slot.index_select(0, pair_token)
-    pool_id = torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, -1).to(torch.int32)
-    slots = (up or down).lora_a.shape[0]
-    pairs = torch.ops.fxlora.batch_info(pool_id, x, 1, slots * experts)
+    pairs = None
+    if up or down:  # each pair's adapter in the pool read as slots · E adapters: slot * E + expert, or -1 without one
+        pair_slot = token_slot.index_select(0, pair_token)
+        pool_id = torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, -1).to(torch.int32)
+        pairs = torch.ops.fxlora.batch_info(pool_id, x, 1, (up or down).lora_a.shape[0] * experts)
 
     h = _grouped_linear(x, up_weight, offsets, up_bias, pair_expert, transposed)
     _add_lora_pairs(h, x, up, pairs, experts)
