@@ -15,7 +15,7 @@ experts). Models, adapters (rank 16) and random weights as in ``benchmarks/decod
 Prompts of 128 tokens, 128 new tokens, greedy, no end token: every call makes all of them.
 ``--quant fp8``: every system runs the same FP8 model, torchao's
 ``Float8DynamicActivationFloat8WeightConfig`` (per-row scales) on every linear but the output
-head and, for MoE, on the experts' parameters (``FqnToConfig``).
+head and, for MoE, ``Float8WeightOnlyConfig`` on the experts' parameters (``FqnToConfig``).
 
 A system's decode rate is ``rows * (new - 1) / (t(new) - t(1))`` and its prefill rate
 ``rows * prompt / t(1)``, ``t(n)`` the median time of a call making ``n`` new tokens after
@@ -59,12 +59,20 @@ def rates(batch: int, t1: float, tn: float, new: int) -> dict:
 def quantize(model: torch.nn.Module, quant: str) -> None:
     if quant == "none":
         return
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, FqnToConfig, PerRow, quantize_
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Float8WeightOnlyConfig,
+        FqnToConfig,
+        PerRow,
+        quantize_,
+    )
 
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
-    quantize_(model, config, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "lm_head")
+    dense = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    quantize_(model, dense, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "lm_head")
     if hasattr(model.config, "num_experts"):
-        quantize_(model, FqnToConfig({rf"re:.*experts\.{p}": config for p in ("gate_up_proj", "down_proj")}), filter_fn=None)
+        # weight-only: Inductor (torch 2.11) cannot lower the dynamic config's scaled grouped GEMM
+        experts = Float8WeightOnlyConfig()
+        quantize_(model, FqnToConfig({rf"re:.*experts\.{p}": experts for p in ("gate_up_proj", "down_proj")}), filter_fn=None)
         model.set_experts_implementation("grouped_mm")  # the one transformers has that reads float8 experts
 
 

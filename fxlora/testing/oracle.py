@@ -268,7 +268,7 @@ class ExpertsDeltas(TorchFunctionMode):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             for fqn, e, expert, f in self.experts:
                 if _same_tensor(weight, expert):
-                    a, b = f.a[e if f.a.shape[0] > 1 else 0], f.b[e if f.b.shape[0] > 1 else 0]
+                    a, b = (t[e if t.shape[0] > 1 else 0].to(x.device) for t in (f.a, f.b))
                     out = out + (F.linear(F.linear(x.to(a.dtype), a), b) * f.scaling).to(out.dtype)
                     self.seen.add(fqn)
                     break
@@ -299,12 +299,12 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _add_delta(f: Any, module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
     x = args[0] if args else next(iter(kwargs.values()))  # the module's one input
     if f.kind == "embedding":  # PEFT: F.embedding(ids, A.T) @ B.T * scaling, times the module's own embed_scale
-        delta = (F.embedding(x, f.a.T) @ f.b.T) * f.scaling
+        delta = (F.embedding(x, f.a.T.to(x.device)) @ f.b.T.to(x.device)) * f.scaling
         scale = getattr(module, "embed_scale", None)
         if scale is not None:
             delta = delta * torch.as_tensor(scale).to(delta.dtype)
     else:  # PEFT: lora_B(lora_A(x)) * scaling, in the factors' dtype
-        delta = F.linear(F.linear(x.to(f.a.dtype), f.a), f.b) * f.scaling
+        delta = F.linear(F.linear(x.to(f.a.dtype), f.a.to(x.device)), f.b.to(x.device)) * f.scaling
     return output + delta.to(output.dtype)
 
 
