@@ -128,3 +128,17 @@ def test_experts_quantised_otherwise_are_refused_when_targeted(moe):
     cm = fxlora.compile(model, adapters=attention, max_loras=2, max_rank=8)
     assert model.config._experts_implementation == "eager"
     assert "1 experts module(s) with quantised parameters keep the model's experts implementation" in cm.explain()
+
+
+def test_int8_experts_stored_transposed_are_refused():
+    """GPT-OSS stores its experts (E, in, out): int8 weights there need a matmul Int8Tensor
+    lacks, so neither the model's loop nor fxlora::moe_lora runs them. Refused at compile
+    time, naming the method, the module and the missing op; the model stays as it was."""
+    torch._dynamo.reset()
+    dense = tiny_model("gpt_oss", seed=2)
+    assert dense.model.layers[0].mlp.experts.is_transposed
+    model = quantized_model(dense, experts_config("int8"), experts_implementation="eager")
+    attention = {"a": make_adapter(dense, LoraConfig(r=2, target_modules=["q_proj"]), seed=1, directory="")}
+    with pytest.raises(fxlora.QuantizationError, match=r"\(torchao FqnToConfig\).*'model\.layers\.0\.mlp\.experts' holds Int8Tensor.*aten\.mm"):
+        fxlora.compile(model, attention, max_loras=2, max_rank=8)
+    assert model.config._experts_implementation == "eager"
