@@ -124,6 +124,10 @@ def test_experts_quantised_otherwise_are_refused_when_targeted(moe):
     with pytest.raises(fxlora.QuantizationError, match=r"quantised \(fp8\).*'model\.layers\.1\.mlp\.experts\.gate_up_proj'.*float8"):
         fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
     assert model.config._experts_implementation == "eager"
+    config, state = adapters["b"]  # LoRA on the torchao-free experts of layer 0 only: all experts keep the eager loop
+    layer0 = {"b": (config, {k: v for k, v in state.items() if ".layers.1." not in k})}
+    with pytest.raises(fxlora.QuantizationError, match=r"'model\.layers\.0\.mlp\.experts\.down_proj', but the experts 'model\.layers\.1\.mlp\.experts'"):
+        fxlora.compile(model, adapters=layer0, max_loras=2, max_rank=8)
     attention = {"a": make_adapter(moe, LoraConfig(r=4, target_modules=["q_proj"]), seed=3, directory="")}
     cm = fxlora.compile(model, adapters=attention, max_loras=2, max_rank=8)
     assert model.config._experts_implementation == "eager"

@@ -130,6 +130,13 @@ def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str
         if experts.is_experts(m) and any(map(_quantized, experts.experts_parameters(m).values()))
     }
     kept = tuple(fqn for fqn, ps in quantized_experts.items() if not all(map(_served_experts_weight, ps)))
+    targeted = [fqn for fqn, info in modules.items() if info.kind == "experts" and pool.wants(fqn, info)]
+    if kept and targeted:  # the experts implementation is the model's: all experts keep the eager loop then
+        raise QuantizationError(
+            f"the base model is quantised ({method}) and LoRA targets the experts parameter {targeted[0]!r}, but the "
+            f"experts {kept[0]!r} hold weights quantised otherwise than by torchao, which keep the model's experts "
+            "implementation for every experts module: no experts LoRA can be served in this model"
+        )
     return QuantizedBase(method, tuple(served), tuple(f for f in quantized_experts if f not in kept), kept)
 
 
