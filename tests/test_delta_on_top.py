@@ -1,6 +1,6 @@
 """LoRA added onto bases that are not a plain F.linear, end to end through fxlora.compile:
-Falcon's ``input @ weight.T`` linears, bitsandbytes' 4-bit linears, and torchao int8 / int4 weight-only linears (loaded
-through transformers' ``TorchAoConfig``), in mixed batches (a, None, b) against PEFT (which
+Falcon's ``input @ weight.T`` linears, bitsandbytes' 4-bit linears, torchao int8 / int4 / float8 weight-only linears (loaded
+through transformers' ``TorchAoConfig``) and compressed-tensors FP8 checkpoints loaded dequantised, in mixed batches (a, None, b) against PEFT (which
 wraps both) and against the exact decomposition; rows without an adapter equal the model's
 own output bit for bit, in the lora and the nolora variant. float32: 1e-5 relative error per
 row (``fxlora.testing.RTOL``). Also the compile-time refusals, each naming the quantisation
@@ -252,3 +252,48 @@ def test_a_quantised_embedding_is_refused_at_compile_time(llama):
     adapter = make_adapter(llama, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), seed=3, directory="")
     with pytest.raises(fxlora.QuantizationError, match=r"quantised \(torchao\).*embedding 'model\.embed_tokens'"):
         fxlora.compile(model, {"a": adapter}, max_loras=2, max_rank=8)
+
+
+def compressed_tensors_checkpoint(model, directory):
+    """``model`` saved as an FP8 compressed-tensors checkpoint (``FP8_DYNAMIC``: float8 weights
+    with per-channel scales, activations quantised per token at run time), as llm-compressor
+    writes one; the scales from each row's largest weight."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="float-quantized"))
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "weight_scale"):
+                m.weight_scale.copy_(m.weight.abs().amax(dim=1, keepdim=True).reshape(m.weight_scale.shape) / 448)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(directory)
+    compressor.update_config(directory)
+    return directory
+
+
+def test_compressed_tensors_fp8_checkpoints(llama, tmp_path):
+    """As transformers loads it by default, compressed-tensors wraps each linear's forward to
+    quantise its weight and input on every call: refused at compile time, naming the method,
+    the module and the way out. Loaded with ``dequantize=True`` the model is dense and served."""
+    import copy
+
+    pytest.importorskip("compressed_tensors")
+    from transformers import CompressedTensorsConfig
+
+    torch._dynamo.reset()
+    directory = compressed_tensors_checkpoint(copy.deepcopy(llama), tmp_path)
+    adapters = adapters_for(llama, ["q_proj", "v_proj"])
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn
+    with pytest.raises(fxlora.QuantizationError, match=r"quantised \(compressed-tensors\).*'model\.layers\.0\.self_attn\.q_proj'.*dequantize=True"):
+        fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
+    config = CompressedTensorsConfig(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=config).eval()
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+    cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
+    batch = inputs()
+    out = assert_matches_peft(cm, model, adapters, NAMES, **batch)
+    check_base_rows(cm, model, batch, out)

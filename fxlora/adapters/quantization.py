@@ -10,8 +10,10 @@ whose forward traces as bitsandbytes' own ops and whose LoRA is kept in its comp
 embedding or experts parameter quantised so, and a targeted module quantised by another
 method (its own module class, a packed weight, a float8 weight in a plain parameter as
 transformers' ``FineGrainedFP8Config`` leaves, whose kernels transformers fetches from the
-Hub at run time), raises :class:`QuantizationError` when the model is compiled, naming the
-method and the module. torchao's float8 configs are the served FP8 path. Experts whose
+Hub at run time, or a linear whose forward compressed-tensors wrapped to quantise on every
+call), raises :class:`QuantizationError` when the model is compiled, naming the method and the
+module; a compressed-tensors checkpoint loaded with ``CompressedTensorsConfig(dequantize=True)``
+is a plain model and served. torchao's float8 configs are the served FP8 path. Experts whose
 parameters are torchao subclasses (``FqnToConfig`` on ``experts.gate_up_proj`` /
 ``experts.down_proj``) run ``fxlora::moe_lora``, whose GEMMs are the subclass's own
 (:mod:`fxlora.compiler.quantized_experts`), and carry LoRA as unquantised experts do; experts
@@ -110,6 +112,12 @@ def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str
                     "parameters) only; leave them out of the adapters and target_modules"
                 )
             continue
+        if getattr(module, "quantization_scheme", None) is not None:
+            raise QuantizationError(
+                f"the base model is quantised ({method}) and LoRA targets {fqn!r}, whose forward compressed-tensors "
+                "replaced to quantise its weight and input on every call: fxlora cannot add LoRA onto it; load the "
+                "checkpoint with quantization_config=CompressedTensorsConfig(dequantize=True) to serve its dequantised weights"
+            )
         if _torchao_weight(weight) or _bitsandbytes_linear(module):
             if info.kind != "linear":
                 raise QuantizationError(
