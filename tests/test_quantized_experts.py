@@ -9,6 +9,7 @@ the nolora variant, equal the quantised model's eager loop bit for bit."""
 import pytest
 import torch
 from peft import LoraConfig
+from test_delta_on_top import inputs
 
 import fxlora
 from fxlora.compiler import quantized_experts
@@ -44,14 +45,6 @@ def experts_adapters(moe):
         "a": make_adapter(moe, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=both), seed=1, directory=""),
         "b": make_adapter(moe, LoraConfig(r=2, lora_alpha=4, target_modules=[], target_parameters=both[1:]), seed=2, directory=""),
     }
-
-
-def inputs(rows=3, length=6, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 96, (rows, length), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0  # left padding
-    return dict(input_ids=ids, attention_mask=mask)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

@@ -134,28 +134,7 @@ def moe_lora_reference(
     return weighted.sum(dim=1).to(hidden.dtype)
 
 
-@torch.library.custom_op("fxlora::moe_lora", mutates_args=())
-def moe_lora(
-    hidden: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    up_weight: torch.Tensor,
-    up_bias: torch.Tensor | None,
-    down_weight: torch.Tensor,
-    down_bias: torch.Tensor | None,
-    up_lora: list[torch.Tensor],
-    down_lora: list[torch.Tensor],
-    token_slot: torch.Tensor,
-    transposed: bool,
-    gate: str,
-    act: str,
-    alpha: float,
-    limit: float,
-) -> torch.Tensor:
-    return moe_lora_reference(
-        hidden, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, up_lora, down_lora, token_slot,
-        transposed, gate, act, alpha, limit,
-    )  # fmt: skip
+moe_lora = torch.library.custom_op("fxlora::moe_lora", moe_lora_reference, mutates_args=())
 
 
 def moe_lora_composed(
