@@ -263,7 +263,8 @@ class ExpertsDeltas(TorchFunctionMode):
         self.seen: set[str] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func is F.linear and self.experts:
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             for fqn, e, expert, f in self.experts:
