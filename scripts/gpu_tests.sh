@@ -4,14 +4,16 @@
 # run in $GPU_WORKERS processes (default 4) sharing the GPU: most of their time is Triton
 # compiling kernels, which the processes do side by side. Without a network the test packages
 # install from ./.wheels, which this fills for a Python 3.12 machine:
-#   pip download -d .wheels --python-version 3.12 --only-binary :all: hypothesis pytest-xdist torchao
+#   pip download -d .wheels --python-version 3.12 --only-binary :all: hypothesis pytest-xdist torchao bitsandbytes
 # With LATEST_WHEELS=<dir>, the wheels there (e.g. the newest transformers, fetched the same
 # way with --no-deps) are put ahead of the machine's own packages first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
 python3 -c "import hypothesis, xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .wheels hypothesis sortedcontainers pytest-xdist execnet
-python3 -c "import torchao" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --find-links .wheels torchao  # the quantised bases
+for package in torchao bitsandbytes; do  # the quantised bases
+    python3 -c "import $package" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --find-links .wheels "$package"
+done
 if [ -n "${LATEST_WHEELS:-}" ]; then
     pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/latest-site "$LATEST_WHEELS"/*.whl || exit 1
     export PYTHONPATH="/tmp/latest-site${PYTHONPATH:+:$PYTHONPATH}"
@@ -23,5 +25,5 @@ python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernel_sgm
     tests/test_kernel_lora_embedding.py tests/test_kernel_batch_info.py tests/test_kernel_moe_lora.py tests/test_passes.py \
     tests/test_kernel_decode_attention.py tests/test_pass_decode_attention.py tests/test_inner.py tests/test_kernel_lora_delta.py \
     tests/test_coverage.py \
-    tests/test_gpu_runtime.py tests/test_gpu_moe.py \
+    tests/test_gpu_runtime.py tests/test_gpu_moe.py tests/test_gpu_quantized.py \
     -n "${GPU_WORKERS:-4}" --junitxml="$OUT/gpu-tests.xml" "$@" 2>&1 | tee "$OUT/gpu-tests.txt" | grep -v "^\s*$" | tail -40
