@@ -66,7 +66,10 @@ def test_quantised_experts_carry_lora(moe, kind):
     assert torch.equal(out[1], base[1]) and torch.equal(nolora, base)
     experts = {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
     assert {fqn for fqn, op in cm.backend.rewritten.items() if op == MOE_LORA} == experts
-    assert "2 experts module(s) with quantised parameters run fxlora::moe_lora on the quantised weights' own GEMMs" in cm.explain()
+    assert (
+        "2 experts module(s) with quantised parameters (model.layers.*.mlp.experts) run fxlora::moe_lora on the "
+        "quantised weights' own GEMMs" in cm.explain()
+    )
 
 
 def test_hot_swapped_adapter_on_quantised_experts(moe):
@@ -124,7 +127,7 @@ def test_experts_quantised_otherwise_are_refused_when_targeted(moe):
     attention = {"a": make_adapter(moe, LoraConfig(r=4, target_modules=["q_proj"]), seed=3, directory="")}
     cm = fxlora.compile(model, adapters=attention, max_loras=2, max_rank=8)
     assert model.config._experts_implementation == "eager"
-    assert "1 experts module(s) with quantised parameters keep the model's experts implementation" in cm.explain()
+    assert "1 experts module(s) with quantised parameters (model.layers.*.mlp.experts) keep the model's experts implementation" in cm.explain()
 
 
 def test_int8_experts_stored_transposed_are_refused():

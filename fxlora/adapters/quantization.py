@@ -22,6 +22,7 @@ quantised otherwise keep the model's implementation and carry none.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -55,15 +56,20 @@ class QuantizedBase:
         )
         if self.experts:
             line += (
-                f"; {len(self.experts)} experts module(s) with quantised parameters run fxlora::moe_lora on the "
-                "quantised weights' own GEMMs"
+                f"; {len(self.experts)} experts module(s) with quantised parameters ({_patterns(self.experts)}) run "
+                "fxlora::moe_lora on the quantised weights' own GEMMs"
             )
         if self.kept_experts:
             line += (
-                f"; {len(self.kept_experts)} experts module(s) with quantised parameters keep the model's "
-                "experts implementation and carry no LoRA"
+                f"; {len(self.kept_experts)} experts module(s) with quantised parameters ({_patterns(self.kept_experts)}) "
+                "keep the model's experts implementation and carry no LoRA"
             )
         return line
+
+
+def _patterns(fqns: tuple[str, ...]) -> str:
+    """Module names with their layer numbers as ``*``: ``model.layers.*.mlp.experts``."""
+    return ", ".join(sorted({re.sub(r"\.\d+(?=\.|$)", ".*", f) for f in fqns}))
 
 
 def quantization_method(model: torch.nn.Module) -> str | None:
