@@ -92,6 +92,8 @@ def quantization_method(model: torch.nn.Module) -> str | None:
         return method
     if any(_torchao_weight(p) for p in model.parameters()):
         return "torchao"
+    if any(_compressed_tensors_module(m) for m in model.modules()):  # its wrappers outlive a dequantised load
+        return "compressed-tensors"
     return None
 
 
@@ -118,11 +120,12 @@ def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str
                     "parameters) only; leave them out of the adapters and target_modules"
                 )
             continue
-        if getattr(module, "quantization_scheme", None) is not None:
+        if _compressed_tensors_module(module):
             raise QuantizationError(
                 f"the base model is quantised ({method}) and LoRA targets {fqn!r}, whose forward compressed-tensors "
-                "replaced to quantise its weight and input on every call: fxlora cannot add LoRA onto it; load the "
-                "checkpoint with quantization_config=CompressedTensorsConfig(dequantize=True) to serve its dequantised weights"
+                "replaced to quantise its weight and input on every call: fxlora cannot add LoRA onto it; a checkpoint "
+                "loaded with quantization_config=CompressedTensorsConfig(dequantize=True) is served where transformers "
+                "then leaves plain linears (5.24 does, 5.17 does not)"
             )
         if _torchao_weight(weight) or _bitsandbytes_linear(module):
             if info.kind != "linear":
@@ -159,6 +162,11 @@ def _bitsandbytes_linear(module: torch.nn.Module) -> bool:
     which trace as they are; the delta goes onto its output. (The 8-bit one finds outlier
     columns by value, which breaks the graph: it is refused.)"""
     return type(module).__module__.startswith("bitsandbytes") and type(module).__name__ == "Linear4bit"
+
+
+def _compressed_tensors_module(module: torch.nn.Module) -> bool:
+    """A module compressed-tensors set up to quantise in its forward (it holds the scheme)."""
+    return getattr(module, "quantization_scheme", None) is not None
 
 
 def _torchao_weight(weight: object) -> bool:
