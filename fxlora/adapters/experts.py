@@ -52,6 +52,13 @@ def experts_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]
     return {up: getattr(module, up), "down_proj": module.down_proj}
 
 
+def experts_biases(module: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The biases of the experts' up and down projections, or ``(None, None)`` without any."""
+    if not module.has_bias:
+        return None, None
+    return getattr(module, f"{up_name(module)}_bias"), module.down_proj_bias
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertsLayout:
     """How ``fxlora::moe_lora`` computes an experts module: its layout scalars, named as the

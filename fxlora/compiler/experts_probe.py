@@ -111,10 +111,8 @@ def _compare(module, layout, hidden, routes, up_lora, down_lora, mine) -> float 
     """The op's relative error against the module's forward on ``routes`` (index, weights,
     and the number of this rank's first expert in them), or why either does not run."""
     index, weights, first = routes
-    params = experts.experts_parameters(module)
-    up_name = experts.up_name(module)
-    up, down = params[up_name], params["down_proj"]
-    biases = [getattr(module, f"{n}_bias") if module.has_bias else None for n in (up_name, "down_proj")]
+    up, down = experts.experts_parameters(module).values()
+    biases = experts.experts_biases(module)
     no_adapter = torch.full((hidden.shape[0],), -1, dtype=torch.int32, device=hidden.device)
     name = type(module).__name__
     group = process_group(module)

@@ -131,7 +131,7 @@ def _match_inputs(
     up_name = experts.up_name(module)
     wanted = {"up": params[up_name], "down": params["down_proj"]}
     if module.has_bias:
-        wanted.update(up_bias=getattr(module, f"{up_name}_bias"), down_bias=module.down_proj_bias)
+        wanted.update(zip(("up_bias", "down_bias"), experts.experts_biases(module), strict=True))
     by_tensor = {id(values[read[0]]): n for n in external if (read := parameter_read(n)) and read[0] in values}
     found = {k: by_tensor.get(id(v)) for k, v in wanted.items()}
     missing = [k for k, n in found.items() if n is None]

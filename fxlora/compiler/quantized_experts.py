@@ -36,14 +36,12 @@ LAYOUT = "_fxlora_experts_layout"  # the module attribute holding the op's layou
 
 def forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
     """The experts implementation :data:`NAME`: the routed experts by ``fxlora::moe_lora``."""
-    params = experts.experts_parameters(self)
-    up_name = experts.up_name(self)
-    biases = [getattr(self, f"{n}_bias") if self.has_bias else None for n in (up_name, "down_proj")]
+    up, down = experts.experts_parameters(self).values()
+    up_bias, down_bias = experts.experts_biases(self)
     no_adapter = torch.full((hidden_states.shape[0],), -1, dtype=torch.int32, device=hidden_states.device)
     return torch.ops.fxlora.moe_lora(
-        hidden_states, top_k_index, top_k_weights, params[up_name], biases[0], params["down_proj"], biases[1],
-        [], [], no_adapter, **getattr(self, LAYOUT),
-    )  # fmt: skip
+        hidden_states, top_k_index, top_k_weights, up, up_bias, down, down_bias, [], [], no_adapter, **getattr(self, LAYOUT)
+    )
 
 
 def serve(model: torch.nn.Module, method: str) -> None:
