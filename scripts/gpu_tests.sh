@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU test suite in one call: the CUDA-only tests, the kernel tests on CUDA (all
 # dtypes), and the reference-op and pass tests. Results go under $OUT (or ./gpu-out). The tests
-# run in $GPU_WORKERS processes (default 4) sharing the GPU: most of their time is Triton
+# run in $GPU_WORKERS processes (default 6) sharing the GPU: most of their time is Triton
 # compiling kernels, which the processes do side by side. Without a network the test packages
 # install from ./.wheels, which this fills for a Python 3.12 machine:
 #   pip download -d .wheels --python-version 3.12 --only-binary :all: hypothesis pytest-xdist torchao bitsandbytes
@@ -26,4 +26,5 @@ python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernel_sgm
     tests/test_kernel_decode_attention.py tests/test_pass_decode_attention.py tests/test_inner.py tests/test_kernel_lora_delta.py \
     tests/test_coverage.py \
     tests/test_gpu_runtime.py tests/test_gpu_moe.py tests/test_gpu_quantized.py \
-    -n "${GPU_WORKERS:-4}" --junitxml="$OUT/gpu-tests.xml" "$@" 2>&1 | tee "$OUT/gpu-tests.txt" | grep -v "^\s*$" | tail -40
+    -n "${GPU_WORKERS:-6}" -v --durations=20 --junitxml="$OUT/gpu-tests.xml" "$@" 2>&1 | tee "$OUT/gpu-tests.txt" \
+    | grep -vE "^\s*$|PASSED" | tail -40
