@@ -1,15 +1,17 @@
-"""Whole ``generate`` calls in bf16: fxlora (``lora`` with 16 adapters, and ``nolora``) against
-what a user would otherwise run, each system in a process of its own, side by side in one
-call.
+"""Whole ``generate`` calls in bf16: fxlora (``lora`` with 16 adapters, or as many as
+``--adapters`` says, and ``nolora``) against what a user would otherwise run, each system in
+a process of its own, side by side in one call.
 
-    python benchmarks/generate.py [--model llama|qwen3_moe] [--batches 1,32,128 | --quick] [--adapters 16]
+    python benchmarks/generate.py [--model llama|qwen3_moe] [--batches 1,32,128 | --quick] [--adapters 4,16]
                                   [--quant fp8] [--out results.json]
 
 Systems: ``fxlora`` (``fxlora.compile`` with ``max_batch_size`` the largest batch: Inductor
-inside both graphs, CUDA graphs per batch bucket; one process serves both variants);
+inside both graphs, CUDA graphs per batch bucket; one process serves both variants, and
+``lora`` once for each count of ``--adapters``, the rows cycling over that many adapters of
+one pool);
 ``transformers``: the base model's own ``generate(cache_implementation="static")``, which
 compiles its forward with ``torch.compile`` and captures it; ``peft``: a ``PeftModel`` with
-the same 16 adapters serving a mixed batch through ``adapter_names`` (eager; a few decode
+the same adapters (the largest count) serving a mixed batch through ``adapter_names`` (eager; a few decode
 steps, scaled), or for MoE one adapter for the whole batch (PEFT cannot mix adapters on
 experts). Models, adapters (rank 16) and random weights as in ``benchmarks/decode.py``.
 Prompts of 128 tokens, 128 new tokens, greedy, no end token: every call makes all of them.
@@ -76,7 +78,7 @@ def quantize(model: torch.nn.Module, quant: str) -> None:
         model.set_experts_implementation("grouped_mm")  # the one transformers has that reads float8 experts
 
 
-def run_system(system: str, model_name: str, batches: list[int], count: int = ADAPTERS, quant: str = "none") -> dict:
+def run_system(system: str, model_name: str, batches: list[int], counts: list[int], quant: str = "none") -> dict:
     from decode import make_adapters, spec
 
     from fxlora.testing.models import fill_zero_weights
@@ -86,6 +88,7 @@ def run_system(system: str, model_name: str, batches: list[int], count: int = AD
     with torch.device("cuda"):  # initialised there: the CPU takes over a minute for the MoE's experts
         model = transformers.AutoModelForCausalLM.from_config(sp.config, dtype=torch.bfloat16).eval()
     fill_zero_weights(model, 0.02)
+    count = max(counts)
     adapters = make_adapters(sp, count)  # from the unquantised weights' shapes
     quantize(model, quant)
     vocab = sp.config.vocab_size
@@ -99,7 +102,7 @@ def run_system(system: str, model_name: str, batches: list[int], count: int = AD
                             max_len=PROMPT + NEW)  # fmt: skip
         cm.prepare()
         for b in batches:
-            names = {"lora": [f"ad{i % count}" for i in range(b)], "nolora": None}
+            names = {f"lora{k}": [f"ad{i % k}" for i in range(b)] for k in counts} | {"nolora": None}
             for variant, adapter_names in names.items():
                 # no end token, as min_new_tokens=n makes it for transformers and PEFT: every call runs n steps
                 call = lambda n: cm.generate(prompts[b], adapter_names=adapter_names, max_new_tokens=n, eos_token_id=())  # noqa: B023, E731
@@ -148,7 +151,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32,128")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 32")
     parser.add_argument("--systems", default="fxlora,transformers,peft")
-    parser.add_argument("--adapters", type=int, default=ADAPTERS, help="adapters in the pool and the lora batches")
+    parser.add_argument("--adapters", default=str(ADAPTERS), help="adapters the lora batches cycle over, e.g. 4,16")
     parser.add_argument("--quant", choices=("none", "fp8"), default="none")
     parser.add_argument("--out", default="generate.json")
     parser.add_argument("--system", help=argparse.SUPPRESS)  # the child process: one system
@@ -156,13 +159,14 @@ def main() -> None:
     if args.quick:
         args.batches = "1,32"
     batches = [int(b) for b in args.batches.split(",")]
+    counts = [int(k) for k in args.adapters.split(",")]
     if args.system:
-        print(json.dumps(run_system(args.system, args.model, batches, args.adapters, args.quant)))
+        print(json.dumps(run_system(args.system, args.model, batches, counts, args.quant)))
         return
     systems = {}
     for system in args.systems.split(","):
         cmd = [sys.executable, __file__, "--model", args.model, "--batches", args.batches, "--system", system,
-               "--adapters", str(args.adapters), "--quant", args.quant]  # fmt: skip
+               "--adapters", args.adapters, "--quant", args.quant]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             print(f"{system} failed:\n{proc.stderr[-3000:]}")
@@ -175,14 +179,16 @@ def main() -> None:
     rows = {}
     for result in systems.values():
         rows.update(result.get("rows", {}))
-    print(f"{'batch':>5} {'system':>8} {'decode tok/s':>13} {'prefill tok/s':>14} {'vs transformers':>16}")
+    print(f"{'batch':>5} {'system':>8} {'decode tok/s':>13} {'prefill tok/s':>14} {'vs transformers':>16} {'nolora / it':>12}")
     for b in batches:
         base = rows.get(f"base/{b}", {}).get("decode_tok_s")
-        for system in ("nolora", "lora", "base", "peft"):
+        nolora = rows.get(f"nolora/{b}", {}).get("decode_tok_s")
+        for system in ("nolora", *(f"lora{k}" for k in counts), "base", "peft"):
             r = rows.get(f"{system}/{b}")
             if r:
                 ratio = f"{r['decode_tok_s'] / base:16.2f}" if base else f"{'-':>16}"
-                print(f"{b:>5} {system:>8} {r['decode_tok_s']:13.0f} {r['prefill_tok_s']:14.0f} {ratio}")
+                slower = f"{nolora / r['decode_tok_s']:12.3f}" if nolora else f"{'-':>12}"
+                print(f"{b:>5} {system:>8} {r['decode_tok_s']:13.0f} {r['prefill_tok_s']:14.0f} {ratio} {slower}")
     for system, result in systems.items():
         setup = result.get("setup_s", result.get("setup_s_per_batch"))
         print(f"{system}: setup {setup}, peak {result.get('peak_MiB', 0):.0f} MiB"

@@ -13,8 +13,10 @@ declare -A RUNS=(
     [decode_moe]="decode.py --model qwen3_moe"
     [generate]="generate.py --model llama"
     [generate_moe]="generate.py --model qwen3_moe"
+    [generate_fp8]="generate.py --model llama --quant fp8 --adapters 4,16 --systems fxlora,transformers"
+    [generate_moe_fp8]="generate.py --model qwen3_moe --quant fp8 --adapters 4,16 --systems fxlora,transformers"
 )
-for name in ${BENCHMARKS:-lora_linear decode_attention decode decode_moe generate generate_moe}; do
+for name in ${BENCHMARKS:-lora_linear decode_attention decode decode_moe generate generate_moe generate_fp8 generate_moe_fp8}; do
     # shellcheck disable=SC2086  # the entry holds the script and its arguments
     python3 benchmarks/${RUNS[$name]} --out "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.txt" | tail -60
 done
