@@ -16,6 +16,7 @@ import contextvars
 import functools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -87,8 +88,10 @@ class Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
         inner = resolve_inner(self.inner, _first_device(example_inputs))
         ctx = self._context(example_inputs, inner)
+        start = time.perf_counter()
         with compiling():
             variants = run_pipeline(gm, ctx)
+        passes = time.perf_counter() - start
         devices = {self.pool.targets[fqn].info.device for fqn in variants.rewritten}
         device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
         if self.cuda_graphs and self.graphs is None:
@@ -101,7 +104,8 @@ class Backend:
         self.routers.append(router)
         self.records.append(record)
         self.rewritten.update(ctx.rewritten)
-        log.info("compiled %s", next(iter(record.lines())).strip())
+        total = time.perf_counter() - start
+        log.info("compiled %s (passes %.1f s, %s %.1f s)", next(iter(record.lines())).strip(), passes, inner, total - passes)
         return router
 
     def _context(self, inputs: list[Any], inner: str, renamed: dict[str, str] | None = None) -> PassContext:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,10 +84,12 @@ class DecodeRuntime:
         keys = [(v, b) for b in sorted(self.buckets, reverse=True) for v in VARIANTS]
         with torch.no_grad():
             log.info("tracing the decode step for batch buckets %s", self.buckets)
+            start = time.perf_counter()
             steps = tqdm(keys, desc="fxlora: tracing decode steps", disable=None if progress else True, leave=False)
             with tracing_as("decode step"):
                 for key in steps:  # traces the decode graphs and measures their allocations
                     self._decode(key)
+            log.info("decode step traced, compiled and run once per bucket and variant (%d) in %.1f s", len(keys), time.perf_counter() - start)
             backend.arena.plan(self.device)
             self.graphs.capture(keys, self._decode, progress=progress)
 
