@@ -1,7 +1,8 @@
 """CUDA-only checks of MoE expert LoRA, run by scripts/gpu_tests.sh: the Triton path at real
 sizes in every dtype against the reference, no host synchronisation, CUDA-graph capture and
 replay with routing, assignments and adapter weights changed between replays, mixed bf16
-batches of tiny MoE models against PEFT, and decode graphs against eager steps."""
+batches of tiny MoE models against PEFT (float16 and float32 too, under Inductor), and decode
+graphs against eager steps."""
 
 from __future__ import annotations
 
@@ -124,6 +125,16 @@ def test_bf16_mixed_batch_matches_peft(family):
     eager = fxlora.compile(model, adapters, max_loras=4, max_rank=16, inner="eager")
     with torch.no_grad():  # the FX graph itself is the model op for op; Inductor's fusions round differently
         torch.testing.assert_close(eager(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_other_dtypes_compile_under_inductor(dtype):
+    """Inductor traces the experts' grouped GEMMs in float16 and float32 through
+    ``fxlora::grouped_mm`` (ATen's meta function admits only bfloat16)."""
+    model, adapters, cm = _moe_served("qwen3_moe", dtype)
+    ids = torch.randint(3, 200, (5, 7), generator=torch.Generator().manual_seed(2)).cuda()
+    with torch.no_grad():
+        assert_matches_peft(cm, model, adapters, ["a", None, "b", "c", "a"], input_ids=ids)
 
 
 def test_decode_graphs_match_eager_with_swaps():

@@ -123,9 +123,9 @@ def test_absent_projection_is_an_empty_bundle():
 
 def test_quantised_weights_compute_through_their_subclass():
     """torchao int8 experts weights (a tensor subclass without transpose or grouped GEMMs):
-    the op (its torch_dispatch rule: the reference on CPU) and its composition (per-expert
-    ``F.linear``, the subclass's own) agree with the reference over the dequantised weights,
-    LoRA on both projections."""
+    the op (its torch_dispatch rule: the reference on CPU, the subclass's own ``F.linear`` per
+    expert) and its composition (the subclass's own ``dequantize()``, then a grouped GEMM)
+    agree with the reference over the dequantised weights, LoRA on both projections."""
     pytest.importorskip("torchao")
     from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig, quantize_
 

@@ -72,6 +72,17 @@ def test_quantised_experts_carry_lora(moe, kind):
     )
 
 
+def test_int8_experts_under_inductor(moe):
+    """Inductor compiles the experts as ``fxlora::moe_lora``'s composition (they read a tensor
+    subclass): int8 weights have no transpose or grouped GEMM, so their own ``dequantize()``
+    feeds the grouped GEMM, in float32 ``fxlora::grouped_mm`` (ATen's does not trace there)."""
+    torch._dynamo.reset()
+    model, twin = quantized_pair(moe, "int8")
+    adapters = experts_adapters(moe)
+    cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8, inner="inductor")
+    assert_matches_decomposition(cm, twin, adapters, NAMES, **inputs())
+
+
 def test_hot_swapped_adapter_on_quantised_experts(moe):
     torch._dynamo.reset()
     model, twin = quantized_pair(moe, "int8")

@@ -14,6 +14,7 @@ reference, and a pass test on a graph.
 
 from fxlora.ops.batch_info import batch_info
 from fxlora.ops.decode_attention import decode_attention
+from fxlora.ops.grouped_mm import grouped_mm
 from fxlora.ops.lora_delta import lora_delta
 from fxlora.ops.lora_embedding import lora_embedding
 from fxlora.ops.lora_linear import lora_linear, lora_linear_fused
@@ -26,6 +27,7 @@ __all__ = [
     "LoraWeights",
     "batch_info",
     "decode_attention",
+    "grouped_mm",
     "lora_delta",
     "lora_embedding",
     "lora_linear",

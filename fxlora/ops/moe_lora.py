@@ -33,7 +33,8 @@ the host; it is the implementation on CPU and the oracle of the CUDA one.
 
 On CUDA the op is :func:`moe_lora_composed`, which reads nothing of the routing on the host:
 ``fxlora::batch_info`` sorts the token–expert pairs by expert, the base GEMMs are grouped
-GEMMs over the experts' segments (``grouped_mm``), and the LoRA deltas are
+GEMMs over the experts' segments (ATen's ``grouped_mm`` in bfloat16, ``fxlora::grouped_mm``
+in other dtypes, which Inductor cannot trace ATen's in), and the LoRA deltas are
 ``fxlora::lora_delta`` over the pairs, the pool read as ``slots · E`` adapters and the pairs'
 ``(slot, expert)`` segments from ``fxlora::batch_info`` again. So it is capturable in a CUDA
 graph and replays with any routing and adapters. Under Inductor the graph holds the
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from fxlora.ops.batch_info import slot_groups
+from fxlora.ops.grouped_mm import traceable_grouped_mm
 from fxlora.ops.lora_delta import lora_workspace
 from fxlora.ops.operands import LoraWeights, optional_weights
 from fxlora.ops.triton import sgmv
@@ -187,34 +189,30 @@ def moe_lora_composed(
 
 def _grouped_linear(x, weight, offsets, bias, pair_expert, transposed: bool):
     """Each segment of ``x`` (pairs sorted by expert, ``offsets`` their cumulative ends)
-    times its expert's weight."""
+    times its expert's weight. A tensor subclass (a quantised weight) without a transpose or
+    grouped GEMM of its own, as torchao's ``Int8Tensor``, is dequantised by its own
+    ``dequantize()`` first: every expert of the layer once per call, then one grouped GEMM
+    (not one GEMM per expert over all pairs, E times the FLOPs and the launches)."""
     try:
         y = _grouped_mm(x, weight, offsets, transposed)
-    except NotImplementedError:  # a tensor subclass (a quantised weight) without transpose or grouped GEMMs
-        y = _per_expert_linear(x, weight, pair_expert, transposed)
+    except NotImplementedError as e:
+        dequantize = getattr(weight, "dequantize", None)
+        if dequantize is None:
+            raise NotImplementedError(
+                f"experts weights of type {type(weight).__name__} have neither a grouped GEMM nor dequantize()"
+            ) from e
+        y = _grouped_mm(x, dequantize(), offsets, transposed)
     return y if bias is None else y + bias[pair_expert]
 
 
 def _grouped_mm(x, weight, offsets, transposed: bool):
-    grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
     w = weight if transposed else weight.transpose(-2, -1)  # (E, in, out)
     fin, fout = w.shape[1:]
     align = 16 // x.element_size()
     pad_in, pad_out = -fin % align, -fout % align
     if pad_in or pad_out:  # grouped GEMMs read 16-byte rows: zero-pad odd widths (a copy; real models never need it)
         x, w = F.pad(x, (0, pad_in)), F.pad(w, (0, pad_out, 0, pad_in))
-    return grouped_mm(x, w, offs=offsets)[:, :fout]
-
-
-def _per_expert_linear(x, weight, pair_expert, transposed: bool):
-    """The weight's own ``select`` and ``F.linear`` (or matmul) per expert over all pairs, each
-    pair keeping its expert's row: E times the FLOPs of the grouped GEMM, the same weight
-    bytes, and no shape that depends on the routing (so capturable)."""
-    y = None
-    for e in range(weight.shape[0]):
-        ye = x @ weight[e] if transposed else F.linear(x, weight[e])
-        y = ye if y is None else torch.where((pair_expert == e)[:, None], ye, y)
-    return y
+    return traceable_grouped_mm(x, w, offsets)[:, :fout]
 
 
 def _add_lora_pairs(
@@ -253,7 +251,8 @@ _SERVED_SUBCLASSES: set[type] = set()
 def serve_weights_of(subclass: type) -> None:
     """Let the op take experts weights of a tensor ``subclass`` (a quantised weight, say
     torchao's ``Int8Tensor``), whose own ops then compute the base GEMMs: on CUDA through
-    :func:`moe_lora_composed` (the subclass's transpose and grouped GEMM), elsewhere through
+    :func:`moe_lora_composed` (the subclass's transpose and grouped GEMM, or its
+    ``dequantize()`` then a grouped GEMM), elsewhere through
     the reference (its ``select`` and ``F.linear`` per expert). Fake inputs, as Dynamo traces
     the experts, give the fake output; a graph compiled for CUDA holds the composition in the
     op's place (:data:`COMPOSITIONS`), so the op itself is never traced with the subclass."""
