@@ -8,9 +8,9 @@ whose parameters are torchao subclasses get instead the implementation registere
 :data:`NAME`: ``fxlora::moe_lora`` with no adapter, whose base GEMMs dispatch to the subclass
 (:func:`fxlora.ops.moe_lora.serve_weights_of`): per expert ``select`` and ``F.linear``, as the
 eager loop computes them (on CPU), or the subclass's transpose and grouped GEMM, else its
-``dequantize()`` and a grouped GEMM (on CUDA, capturable). The traced region is then one op reading the experts' parameters, which the
-``lora_moe`` pass serves as any other, the LoRA deltas added after each GEMM, before the gate
-and before the routed sum.
+``dequantize()`` and a grouped GEMM (on CUDA, capturable). The traced region is then one op
+reading the experts' parameters, which the ``lora_moe`` pass serves as any other, the LoRA
+deltas added after each GEMM, before the gate and before the routed sum.
 
 :func:`serve` checks each module before anything changes: the layout its gate computes
 (:func:`fxlora.compiler.experts_probe.choose_layout`) and the op, with no adapter, against the

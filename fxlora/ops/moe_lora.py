@@ -252,10 +252,10 @@ def serve_weights_of(subclass: type) -> None:
     """Let the op take experts weights of a tensor ``subclass`` (a quantised weight, say
     torchao's ``Int8Tensor``), whose own ops then compute the base GEMMs: on CUDA through
     :func:`moe_lora_composed` (the subclass's transpose and grouped GEMM, or its
-    ``dequantize()`` then a grouped GEMM), elsewhere through
-    the reference (its ``select`` and ``F.linear`` per expert). Fake inputs, as Dynamo traces
-    the experts, give the fake output; a graph compiled for CUDA holds the composition in the
-    op's place (:data:`COMPOSITIONS`), so the op itself is never traced with the subclass."""
+    ``dequantize()`` then a grouped GEMM), elsewhere through the reference (its ``select``
+    and ``F.linear`` per expert). Fake inputs, as Dynamo traces the experts, give the fake
+    output; a graph compiled for CUDA holds the composition in the op's place
+    (:data:`COMPOSITIONS`), so the op itself is never traced with the subclass."""
     if subclass in _SERVED_SUBCLASSES:
         return
 

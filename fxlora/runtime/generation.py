@@ -89,7 +89,8 @@ class DecodeRuntime:
             with tracing_as("decode step"):
                 for key in steps:  # traces the decode graphs and measures their allocations
                     self._decode(key)
-            log.info("decode step traced, compiled and run once per bucket and variant (%d) in %.1f s", len(keys), time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            log.info("decode step traced, compiled and run once per bucket and variant (%d) in %.1f s", len(keys), seconds)
             backend.arena.plan(self.device)
             self.graphs.capture(keys, self._decode, progress=progress)
 
