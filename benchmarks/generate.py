@@ -22,7 +22,8 @@ head and, for MoE, ``Float8WeightOnlyConfig`` on the experts' parameters (``FqnT
 A system's decode rate is ``rows * (new - 1) / (t(new) - t(1))`` and its prefill rate
 ``rows * prompt / t(1)``, ``t(n)`` the median time of a call making ``n`` new tokens after
 warm-up. ``setup_s``: the first call, compile and capture included (for fxlora, compile,
-``prepare()`` and that call). ``peak_MiB``: the most device memory the process held.
+``prepare()`` and that call, each in ``setup_parts_s``). ``peak_MiB``: the most device
+memory the process held.
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def run_system(system: str, model_name: str, batches: list[int], counts: list[in
 
         cm = fxlora.compile(model, adapters, max_loras=count, max_rank=16, max_batch_size=max(batches),
                             max_len=PROMPT + NEW)  # fmt: skip
-        cm.prepare()
+        compiled = time.perf_counter()
+        runtime = cm.prepare()  # the decode step traced, compiled, run once per bucket and variant, captured
+        prepared = time.perf_counter()
         for b in batches:
             names = {f"lora{k}": [f"ad{i % k}" for i in range(b)] for k in counts} | {"nolora": None}
             for variant, adapter_names in names.items():
@@ -109,9 +112,14 @@ def run_system(system: str, model_name: str, batches: list[int], counts: list[in
                 call(NEW)
                 if "setup_s" not in results:
                     results["setup_s"] = time.perf_counter() - start
+                    results["setup_parts_s"] = {  # the first call compiles the prefill graph
+                        "compile": compiled - start, "prepare": prepared - compiled,
+                        "of which capture": runtime.graphs.capture_seconds,
+                        "first call": results["setup_s"] - (prepared - start),
+                    }  # fmt: skip
                 t1, tn = timed(lambda: call(1)), timed(lambda: call(NEW))  # noqa: B023
                 results["rows"][f"{variant}/{b}"] = rates(b, t1, tn, NEW)
-        results["graph_pool_MiB"] = cm.prepare().graphs.pool_bytes / 2**20
+        results["graph_pool_MiB"] = runtime.graphs.pool_bytes / 2**20
         results["explain"] = cm.explain()
     elif system == "transformers":
         for b in batches:
@@ -191,6 +199,9 @@ def main() -> None:
                 print(f"{b:>5} {system:>8} {r['decode_tok_s']:13.0f} {r['prefill_tok_s']:14.0f} {ratio} {slower}")
     for system, result in systems.items():
         setup = result.get("setup_s", result.get("setup_s_per_batch"))
+        parts = result.get("setup_parts_s")
+        if parts:
+            setup = f"{setup:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()) + ")"
         print(f"{system}: setup {setup}, peak {result.get('peak_MiB', 0):.0f} MiB"
               + (f", graph pool {result['graph_pool_MiB']:.0f} MiB" if "graph_pool_MiB" in result else ""))  # fmt: skip
     meta = {
