@@ -1,8 +1,9 @@
 """fxlora::moe_lora: its composition (grouped GEMMs + fxlora::lora_delta over (slot, expert)
-segments, the CUDA implementation and what Inductor compiles) against the PyTorch reference, over routing, expert counts, widths that are not multiples
-of the block sizes, ranks, gates, layouts and batch mixes including all-None and
-all-one-adapter. On a machine without CUDA the kernels run in Triton's interpreter, float32
-and float16."""
+segments, the CUDA implementation and what Inductor compiles) against the PyTorch
+reference, over routing, expert counts, widths that are not multiples of the block sizes,
+ranks, gates, layouts and batch mixes including all-None and all-one-adapter; the
+composition compiled by Inductor; quantised experts weights. On a machine without CUDA the
+kernels run in Triton's interpreter, float32 and float16."""
 
 import pytest
 import torch
@@ -157,3 +158,18 @@ def test_composition_without_any_lora():
     got = run(moe_lora_composed, case, slot_ids, 2, "glu", False, (False, False))
     want = _reference(case, slot_ids, 2, "glu", False, (False, False))
     torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_composition_compiles_under_inductor(dtype):
+    """Inductor traces the composition as it compiles it in the op's place on CUDA: its
+    grouped GEMMs in float32 and float16 go through ``fxlora::grouped_mm`` (ATen's meta
+    function admits only bfloat16)."""
+    gen = torch.Generator().manual_seed(5)
+    slots = 3
+    case = make_case(gen, 10, 2, 4, 16, 8, slots, 4, [[4, 2, 0], [1, 4, 3]], "glu", False, True, dtype)
+    slot_ids = torch.tensor([0, -1, 2, 1, 0, -1, 2, 2, 1, 0], dtype=torch.int32)
+    compiled = torch.compile(moe_lora_composed, backend="inductor", fullgraph=True)
+    got = run(compiled, case, slot_ids, slots, "glu", False, (True, True))
+    want = _reference(case, slot_ids, slots, "glu", False, (True, True))
+    torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[dtype])
