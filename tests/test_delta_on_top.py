@@ -1,6 +1,6 @@
 """LoRA added onto bases that are not a plain F.linear, end to end through fxlora.compile:
 Falcon's ``input @ weight.T`` linears, bitsandbytes' 4-bit linears, torchao int8 / int4 / float8 weight-only linears (loaded
-through transformers' ``TorchAoConfig``) and compressed-tensors FP8 checkpoints loaded dequantised, in mixed batches (a, None, b) against PEFT (which
+through transformers' ``TorchAoConfig``) and compressed-tensors and fine-grained FP8 checkpoints loaded dequantised, in mixed batches (a, None, b) against PEFT (which
 wraps both) and against the exact decomposition; rows without an adapter equal the model's
 own output bit for bit, in the lora and the nolora variant. float32: 1e-5 relative error per
 row (``fxlora.testing.RTOL``). Also the compile-time refusals, each naming the quantisation
@@ -227,8 +227,58 @@ def test_fine_grained_fp8_linears_are_refused_at_compile_time(llama):
     model.to_empty(device="cpu")  # the FP8 linears were made on the meta device
     model.config.quantization_config = config
     adapters = adapters_for(llama, ["q_proj"])
-    with pytest.raises(fxlora.QuantizationError, match=r"quantised \(fp8\).*'model\.layers\.0\.self_attn\.q_proj'.*float8"):
+    with pytest.raises(
+        fxlora.QuantizationError,
+        match=r"quantised \(fp8\).*'model\.layers\.0\.self_attn\.q_proj'.*float8.*FineGrainedFP8Config\(dequantize=True\)",
+    ):
         fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
+
+
+def fine_grained_fp8_checkpoint(model, directory, block=16):
+    """``model`` saved as a fine-grained FP8 checkpoint, as DeepSeek-V3 and Qwen3's FP8
+    releases are: every linear but the head a float8 weight with one scale per ``block`` ×
+    ``block`` tile (``weight_scale_inv``), scaled so the tile's largest weight is float8's
+    largest; the config's ``quantization_config`` says ``fp8``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model.save_pretrained(directory)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(".weight") and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
+            rows, cols = t.shape
+            tiles = t.float().reshape(rows // block, block, cols // block, block)
+            scale = tiles.abs().amax(dim=(1, 3)) / 448
+            tensors[name] = (tiles / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+            tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale
+        else:
+            tensors[name] = t.contiguous()
+    for f in directory.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block], "activation_scheme": "dynamic"}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_fine_grained_fp8_checkpoints_loaded_dequantised_are_served(llama, tmp_path):
+    """The way out the refusal names: ``FineGrainedFP8Config(dequantize=True)`` (transformers'
+    choice too on a machine without an FP8 GPU) loads the float8 tiles as plain linears."""
+    from transformers import FineGrainedFP8Config
+
+    torch._dynamo.reset()
+    directory = fine_grained_fp8_checkpoint(llama, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert type(q_proj) is torch.nn.Linear and q_proj.weight.dtype == torch.float32
+    assert not torch.equal(q_proj.weight, llama.model.layers[0].self_attn.q_proj.weight)  # the float8 rounding
+    adapters = adapters_for(llama, ["q_proj", "v_proj"])
+    cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
+    batch = inputs()
+    out = assert_matches_peft(cm, model, adapters, NAMES, **batch)
+    check_base_rows(cm, model, batch, out)
 
 
 def test_a_quantised_method_that_leaves_the_targets_alone_is_named(llama):

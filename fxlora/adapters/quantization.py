@@ -12,8 +12,9 @@ method (its own module class, a packed weight, a float8 weight in a plain parame
 transformers' ``FineGrainedFP8Config`` leaves, whose kernels transformers fetches from the
 Hub at run time, or a linear whose forward compressed-tensors wrapped to quantise on every
 call), raises :class:`QuantizationError` when the model is compiled, naming the method and the
-module; a compressed-tensors checkpoint loaded with ``CompressedTensorsConfig(dequantize=True)``
-is a plain model and served. torchao's float8 configs are the served FP8 path. Experts whose
+module; a compressed-tensors checkpoint loaded with ``CompressedTensorsConfig(dequantize=True)``,
+and a fine-grained FP8 one loaded with ``FineGrainedFP8Config(dequantize=True)`` (as
+transformers loads it on a machine without an FP8 GPU), is a plain model and served. torchao's float8 configs are the served FP8 path. Experts whose
 parameters are torchao subclasses (``FqnToConfig`` on ``experts.gate_up_proj`` /
 ``experts.down_proj``) run ``fxlora::moe_lora``, whose GEMMs are the subclass's own
 (:mod:`fxlora.compiler.quantized_experts`), and carry LoRA as unquantised experts do; experts
@@ -97,6 +98,13 @@ def quantization_method(model: torch.nn.Module) -> str | None:
     return None
 
 
+# where a method's checkpoints load as a plain model, the way to it
+DEQUANTIZED = {
+    "fp8": "; an FP8 checkpoint loaded with quantization_config=FineGrainedFP8Config(dequantize=True) is a plain "
+    "model and served",
+}
+
+
 def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str, ModuleInfo]) -> QuantizedBase | None:
     """None for an unquantised model; else the method and the targeted linears it quantised.
     ``modules``: the model's, about to be registered with ``pool``, which decides the targets.
@@ -139,7 +147,7 @@ def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str
                 f"the base model is quantised ({method}) and LoRA targets {fqn!r} ({type(module).__name__}, weight "
                 f"{type(weight).__name__} {getattr(weight, 'dtype', '')}): fxlora serves quantised bases through torchao "
                 "tensor-subclass weights (transformers' TorchAoConfig, torchao.quantize_; for float8 weights, "
-                "Float8WeightOnlyConfig) and bitsandbytes' 4-bit Linear4bit only"
+                "Float8WeightOnlyConfig) and bitsandbytes' 4-bit Linear4bit only" + DEQUANTIZED.get(method, "")
             )
     quantized_experts = {
         fqn: list(experts.experts_parameters(m).values())
