@@ -12,13 +12,13 @@ method (its own module class, a packed weight, a float8 weight in a plain parame
 transformers' ``FineGrainedFP8Config`` leaves, whose kernels transformers fetches from the
 Hub at run time, or a linear whose forward compressed-tensors wrapped to quantise on every
 call), raises :class:`QuantizationError` when the model is compiled, naming the method and the
-module; a compressed-tensors checkpoint loaded with ``CompressedTensorsConfig(dequantize=True)``,
-and a fine-grained FP8 one loaded with ``FineGrainedFP8Config(dequantize=True)`` (as
-transformers loads it on a machine without an FP8 GPU), is a plain model and served. torchao's float8 configs are the served FP8 path. Experts whose
-parameters are torchao subclasses (``FqnToConfig`` on ``experts.gate_up_proj`` /
-``experts.down_proj``) run ``fxlora::moe_lora``, whose GEMMs are the subclass's own
-(:mod:`fxlora.compiler.quantized_experts`), and carry LoRA as unquantised experts do; experts
-quantised otherwise keep the model's implementation and carry none.
+module. Checkpoints loaded with ``CompressedTensorsConfig(dequantize=True)`` or
+``FineGrainedFP8Config(dequantize=True)`` (as transformers loads fine-grained FP8 on a machine
+without an FP8 GPU) are plain models and served. torchao's float8 configs are the served FP8
+path. Experts whose parameters are torchao subclasses (``FqnToConfig`` on
+``experts.gate_up_proj`` / ``experts.down_proj``) run ``fxlora::moe_lora``, whose GEMMs are the
+subclass's own (:mod:`fxlora.compiler.quantized_experts`), and carry LoRA as unquantised
+experts do; experts quantised otherwise keep the model's implementation and carry none.
 """
 
 from __future__ import annotations
