@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import statistics
 import subprocess
@@ -169,16 +170,18 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     counts = [int(k) for k in args.adapters.split(",")]
     if args.system:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
         print(json.dumps(run_system(args.system, args.model, batches, counts, args.quant)))
         return
     systems = {}
     for system in args.systems.split(","):
         cmd = [sys.executable, __file__, "--model", args.model, "--batches", args.batches, "--system", system,
                "--adapters", args.adapters, "--quant", args.quant]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        # the child's log (fxlora's setup stages) goes straight to this process's stderr
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if proc.returncode:
-            print(f"{system} failed:\n{proc.stderr[-3000:]}")
-            systems[system] = {"error": proc.stderr[-3000:]}
+            print(f"{system} failed (exit status {proc.returncode}); its log is above", flush=True)
+            systems[system] = {"error": f"exit status {proc.returncode}"}
             continue
         systems[system] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"{system}: done", flush=True)
