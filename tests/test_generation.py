@@ -120,9 +120,10 @@ def test_generate_errors(setup):
         cm.generate(ids, mask, max_new_tokens=2, do_sample=True, top_p=1.5)
 
 
-def test_default_buckets_trace_the_decode_step_once():
+def test_default_buckets_trace_the_decode_step_and_the_prefill_once():
     # a bucket of 1 would be a trace of its own (Dynamo specialises a size-1 dimension):
-    # the default buckets start at 2 and a single row replays that bucket
+    # the default buckets start at 2 and a single row replays that bucket; its prefill runs
+    # as two rows likewise
     torch._dynamo.reset()
     model = tiny_model("llama", seed=3)
     adapter = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), seed=1, directory="")
@@ -133,3 +134,9 @@ def test_default_buckets_trace_the_decode_step_once():
     out = cm.generate(ids, mask, adapter_names=["a"], max_new_tokens=4, eos_token_id=(), pad_token_id=0)
     ref = reference_generate(model, peft_model_with(model, {"a": adapter}), ["a"], ids, mask, 4, None, 0)
     assert torch.equal(out[:, ids.shape[1] :], ref)
+    assert cm.compile_count == 2  # the prefill, of two rows
+    ids, mask = prompts(3, 6, model.config.vocab_size, seed=6)
+    out = cm.generate(ids, mask, adapter_names=["a", None, "a"], max_new_tokens=4, eos_token_id=(), pad_token_id=0)
+    ref = reference_generate(model, peft_model_with(model, {"a": adapter}), ["a", None, "a"], ids, mask, 4, None, 0)
+    assert torch.equal(out[:, ids.shape[1] :], ref)
+    assert cm.compile_count == 2  # one prefill graph serves one row and three

@@ -212,9 +212,16 @@ class DecodeRuntime:
         mask = torch.full((rows, 1, prompt_len, self.max_len), _masked(self.dtype), dtype=self.dtype, device=self.device)
         mask[..., :prompt_len].masked_fill_(visible, 0.0)
         variant = "lora" if any(s >= 0 for s in slots) else "nolora"
-        slot_ids = _to_device(torch.tensor(slots, dtype=torch.int32), self.device) if variant == "lora" else None
+        # one row prefills as two, as it decodes in the bucket of 2: Dynamo specialises a dimension
+        # of size 1, so a one-row prefill would be a trace and compile of its own. The extra row
+        # repeats row 0 with no adapter; its cache row is the idle one of that bucket.
+        extra = int(rows == 1 and self.max_batch_size > 1)
+        prefill = [torch.cat([t, t]) if extra else t for t in (ids, positions, mask)]
+        slot_ids = None
+        if variant == "lora":
+            slot_ids = _to_device(torch.tensor(slots + [NO_ADAPTER] * extra, dtype=torch.int32), self.device)
         with tracing_as("prefill"):
-            logits = self._call(rows, ids, positions, mask, columns, slot_ids)
+            logits = self._call(rows + extra, *prefill, columns, slot_ids)[:rows]
 
         # decode state in the static buffers; each row keeps its slot for the whole call
         self.mask.fill_(_masked(self.dtype))
@@ -222,7 +229,7 @@ class DecodeRuntime:
         self.positions[:rows, 0].copy_(lengths)
         if slot_ids is not None:
             self.slot_ids.fill_(NO_ADAPTER)
-            self.slot_ids[:rows].copy_(slot_ids)
+            self.slot_ids[:rows].copy_(slot_ids[:rows])
         bucket = self.bucket_for(rows)  # checked before the call: it fits
         finished = _Finished(rows, len(eos) > 0, max_new_tokens, self.device, wait=self.ranks_agree)
         out = [ids]
