@@ -1,9 +1,10 @@
 """Whole ``generate`` calls in bf16: fxlora (``lora`` with 16 adapters, or as many as
 ``--adapters`` says, and ``nolora``) against what a user would otherwise run, each system in
-a process of its own, side by side in one call.
+a process of its own, side by side in one call: one after the other, or with ``--gpus N`` up to
+N at once, each on a GPU of its own (the same cards of one host; the systems share its CPUs).
 
     python benchmarks/generate.py [--model llama|qwen3_moe] [--batches 1,32,128 | --quick] [--adapters 4,16]
-                                  [--quant fp8] [--out results.json]
+                                  [--quant fp8] [--gpus N] [--out results.json]
 
 Systems: ``fxlora`` (``fxlora.compile`` with ``max_batch_size`` the largest batch: Inductor
 inside both graphs, CUDA graphs per batch bucket; one process serves both variants, and
@@ -29,8 +30,10 @@ memory the process held.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import platform
 import statistics
 import subprocess
@@ -123,6 +126,10 @@ def run_system(system: str, model_name: str, batches: list[int], counts: list[in
         results["graph_pool_MiB"] = runtime.graphs.pool_bytes / 2**20
         results["explain"] = cm.explain()
     elif system == "transformers":
+        if quant != "none" and hasattr(model.config, "num_experts"):
+            # generate switches grouped_mm experts to batched_mm for decoding, whose expert
+            # indexing torchao's float8 weights lack: keep grouped_mm, which reads them
+            model._optimize_model_for_decode = contextlib.nullcontext
         for b in batches:
             def call(n):
                 return model.generate(prompts[b], attention_mask=torch.ones_like(prompts[b]), max_new_tokens=n,  # noqa: B023
@@ -162,6 +169,7 @@ def main() -> None:
     parser.add_argument("--systems", default="fxlora,transformers,peft")
     parser.add_argument("--adapters", default=str(ADAPTERS), help="adapters the lora batches cycle over, e.g. 4,16")
     parser.add_argument("--quant", choices=("none", "fp8"), default="none")
+    parser.add_argument("--gpus", type=int, default=1, help="run up to this many systems at once, one per GPU")
     parser.add_argument("--out", default="generate.json")
     parser.add_argument("--system", help=argparse.SUPPRESS)  # the child process: one system
     args = parser.parse_args()
@@ -173,20 +181,28 @@ def main() -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
         print(json.dumps(run_system(args.system, args.model, batches, counts, args.quant)))
         return
-    systems = {}
-    for system in args.systems.split(","):
-        cmd = [sys.executable, __file__, "--model", args.model, "--batches", args.batches, "--system", system,
-               "--adapters", args.adapters, "--quant", args.quant]  # fmt: skip
-        # the child's log (fxlora's setup stages) goes straight to this process's stderr
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-        if proc.returncode:
-            print(f"{system} failed (exit status {proc.returncode}); its log is above", flush=True)
-            systems[system] = {"error": f"exit status {proc.returncode}"}
-            continue
-        systems[system] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"{system}: done", flush=True)
-        with open(args.out, "w") as f:  # what has run so far, should a later system not finish
-            json.dump({"systems": systems}, f, indent=1)
+    # with --gpus N, up to N systems run at once, each on a GPU of its own
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(args.gpus)]
+    names, systems = args.systems.split(","), {}
+    for wave in range(0, len(names), args.gpus):
+        procs = {}
+        for device, system in zip(devices, names[wave : wave + args.gpus], strict=False):
+            cmd = [sys.executable, __file__, "--model", args.model, "--batches", args.batches, "--system", system,
+                   "--adapters", args.adapters, "--quant", args.quant]  # fmt: skip
+            env = os.environ | ({"CUDA_VISIBLE_DEVICES": device} if args.gpus > 1 else {})
+            # the child's log (fxlora's setup stages) goes straight to this process's stderr
+            procs[system] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        for system, proc in procs.items():
+            out, _ = proc.communicate()
+            if proc.returncode:
+                print(f"{system} failed (exit status {proc.returncode}); its log is above", flush=True)
+                systems[system] = {"error": f"exit status {proc.returncode}"}
+                continue
+            systems[system] = json.loads(out.strip().splitlines()[-1])
+            print(f"{system}: done", flush=True)
+            with open(args.out, "w") as f:  # what has run so far, should a later system not finish
+                json.dump({"systems": systems}, f, indent=1)
     rows = {}
     for result in systems.values():
         rows.update(result.get("rows", {}))
@@ -210,7 +226,7 @@ def main() -> None:
     meta = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
-        "prompt": PROMPT, "new_tokens": NEW, "adapters": args.adapters, "quant": args.quant,
+        "prompt": PROMPT, "new_tokens": NEW, "adapters": args.adapters, "quant": args.quant, "gpus": args.gpus,
     }  # fmt: skip
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "systems": systems}, f, indent=1)
