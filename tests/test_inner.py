@@ -1,7 +1,7 @@
 """The inner compiler: Inductor compiles both variants of every graph (the default on CUDA,
 chosen here on CPU), serving the same mixed batches as the eager FX graphs, dense and MoE,
 with adapters loaded after compilation; a name that is no inner compiler is refused; Inductor's
-cache key holds the ops' sources."""
+cache key holds the ops' sources; FP8 GEMMs keep ATen's kernel, untimed."""
 
 import pytest
 import torch
@@ -101,3 +101,44 @@ def test_inductor_compiles_a_cuda_experts_op_as_its_composition():
     swapped = inner.composed(gm)
     assert [n.target for n in swapped.graph.nodes if n.op == "call_function"] == [moe_lora_composed]
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [op]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU with FP8 GEMMs"
+)
+def test_fp8_gemms_take_aten_kernels_without_autotuning(monkeypatch):
+    # without max-autotune Inductor still times Triton templates against ATen for _scaled_mm
+    # (below, compile_fx alone), each template a kernel to compile: fxlora's graphs keep ATen's
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.kernel import mm
+    from torch._inductor.utils import fresh_cache
+
+    from fxlora.compiler import inner
+
+    chosen_from = []
+    autotune = mm.autotune_select_algorithm
+
+    def spy(name, choices, *args, **kwargs):
+        chosen_from.append(sorted({type(c).__name__ for c in choices}))
+        return autotune(name, choices, *args, **kwargs)
+
+    monkeypatch.setattr(mm, "autotune_select_algorithm", spy)
+
+    def scaled_mm(a, b, scale_a, scale_b):
+        return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)
+
+    m, k, n = 32, 256, 128
+    args = (
+        torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn),
+        torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t(),  # column-major, as _scaled_mm needs
+        torch.rand(m, 1, device="cuda") + 0.5,
+        torch.rand(1, n, device="cuda") + 0.5,
+    )
+    gm = make_fx(scaled_mm, tracing_mode="fake")(*args)
+    with fresh_cache():
+        run = inner.compile_inner(gm, "inductor")
+        assert chosen_from == [["ExternKernelCaller"]]
+        torch.testing.assert_close(run(*args), scaled_mm(*args))
+        chosen_from.clear()
+        compile_fx(make_fx(scaled_mm, tracing_mode="fake")(*args), list(args))
+        assert len(chosen_from[0]) > 1  # Inductor's default: templates too (once it stops, the patch can go)

@@ -56,13 +56,25 @@ class OpsSalt(CustomGraphPass):
         return (ops_digest(), None if self.then is None else self.then.uuid())
 
 
-def cache_salt() -> dict[str, Any]:
-    """Inductor config patches that salt its cache key with :func:`ops_digest`; none where a
-    plain callable is the post-grad pass (Inductor does not cache such compilations)."""
-    configured = torch._inductor.config.post_grad_custom_post_pass
-    if configured is not None and not isinstance(configured, CustomGraphPass):
-        return {}
-    return {"post_grad_custom_post_pass": OpsSalt(configured)}
+def config_patches() -> dict[str, Any]:
+    """Inductor config patches for fxlora's graphs.
+
+    - The cache key salted with :func:`ops_digest`, unless a plain callable is the post-grad
+      pass (Inductor does not cache such compilations).
+    - GEMMs from ATen's kernels only, unless max-autotune is on: without it Inductor takes
+      ATen's for ``mm`` and ``addmm`` but still autotunes Triton templates against ATen for
+      some others (``_scaled_mm`` and ``_int_mm``, FP8 and int8 linears; ``bmm``), compiling
+      and timing several kernels per shape for each graph and variant. ATen's kernel is the
+      one the model runs eagerly.
+    """
+    config = torch._inductor.config
+    patches: dict[str, Any] = {}
+    if not (config.max_autotune or config.max_autotune_gemm):
+        patches["max_autotune_gemm_backends"] = "ATEN"
+    configured = config.post_grad_custom_post_pass
+    if configured is None or isinstance(configured, CustomGraphPass):
+        patches["post_grad_custom_post_pass"] = OpsSalt(configured)
+    return patches
 
 
 def resolve(inner: str | None, device: torch.device) -> str:
@@ -116,7 +128,7 @@ def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
             # the graph is an inference graph: no input asks for gradients, whatever the grad mode
             example_inputs.append(value.detach() if isinstance(value, torch.Tensor) else value)
     with torch.no_grad():  # an inference graph: fxlora's ops have no backward
-        compiled = compile_fx(composed(gm), example_inputs, config_patches=cache_salt())
+        compiled = compile_fx(composed(gm), example_inputs, config_patches=config_patches())
 
     def run(*args: Any) -> Any:
         with torch.no_grad():  # Inductor may finish compiling on the first call
