@@ -2,6 +2,7 @@
 # The benchmarks in one call; JSON results and the printed tables go under $OUT.
 #   scripts/benchmarks.sh [--quick]                every benchmark
 #   BENCHMARKS="decode_moe" scripts/benchmarks.sh  only those named
+#   GPUS=2 scripts/benchmarks.sh                   the generate_* systems side by side, one GPU each
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
@@ -11,10 +12,10 @@ declare -A RUNS=(
     [decode_attention]="decode_attention.py"
     [decode]="decode.py --model llama"
     [decode_moe]="decode.py --model qwen3_moe"
-    [generate]="generate.py --model llama"
-    [generate_moe]="generate.py --model qwen3_moe"
-    [generate_fp8]="generate.py --model llama --quant fp8 --adapters 4,16 --systems fxlora,transformers"
-    [generate_moe_fp8]="generate.py --model qwen3_moe --quant fp8 --adapters 4,16 --systems fxlora,transformers"
+    [generate]="generate.py --model llama --gpus ${GPUS:-1}"
+    [generate_moe]="generate.py --model qwen3_moe --gpus ${GPUS:-1}"
+    [generate_fp8]="generate.py --model llama --quant fp8 --adapters 4,16 --systems fxlora,transformers --gpus ${GPUS:-1}"
+    [generate_moe_fp8]="generate.py --model qwen3_moe --quant fp8 --adapters 4,16 --systems fxlora,transformers --gpus ${GPUS:-1}"
 )
 for name in ${BENCHMARKS:-lora_linear decode_attention decode decode_moe generate generate_moe generate_fp8 generate_moe_fp8}; do
     # shellcheck disable=SC2086  # the entry holds the script and its arguments
