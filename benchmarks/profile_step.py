@@ -1,7 +1,10 @@
 """Where one decode step's time goes: the kernels of a replay of fxlora's ``nolora`` and ``lora``
 decode graphs (``torch.profiler``), per inner compiler, and what ``lora`` adds kernel by kernel.
+With ``--prefill N``, the same for a prefill of ``N``-token prompts instead (a ``generate``
+call making one token: no CUDA graph, so the host's time is printed too, by operator).
 
-    python benchmarks/profile_step.py [--model llama|qwen3_moe] [--batch 128] [--inner inductor,eager] [--out F.json]
+    python benchmarks/profile_step.py [--model llama|qwen3_moe] [--batch 128] [--inner inductor,eager]
+                                      [--prefill 128] [--out F.json]
 
 The model, adapters and step are ``decode.py``'s (bf16, random weights, 16 rank-16 adapters
 round-robin over the rows, context 512), compiled with one batch bucket, ``--batch``. Each
@@ -14,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import time
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -28,20 +33,24 @@ from fxlora.testing.models import fill_zero_weights
 ADAPTERS, REPLAYS = 16, 20
 
 
-def kernels(graph: torch.cuda.CUDAGraph) -> dict[str, list[float]]:
-    """Per kernel name: [µs per step, launches per step] over ``REPLAYS`` replays."""
+def kernels(step: Callable[[], object], host: bool = False) -> dict[str, list[float]]:
+    """Per kernel name: [µs per step, launches per step] over ``REPLAYS`` calls of ``step``;
+    with ``host``, also print the host's operators that take the most time."""
     for _ in range(5):
-        graph.replay()
+        step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if host else [])]
+    with profile(activities=activities) as prof:
         for _ in range(REPLAYS):
-            graph.replay()
+            step()
         torch.cuda.synchronize()
     table: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             table[e.name][0] += e.time_range.elapsed_us() / REPLAYS
             table[e.name][1] += 1 / REPLAYS
+    if host:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
     return dict(table)
 
 
@@ -58,6 +67,7 @@ def main() -> None:
     parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--inner", default="inductor,eager")
+    parser.add_argument("--prefill", type=int, help="profile a prefill of prompts this long instead")
     parser.add_argument("--out", default="profile_step.json")
     args = parser.parse_args()
     sp = spec(args.model)
@@ -80,11 +90,17 @@ def main() -> None:
             rt.ids.random_(3, sp.config.vocab_size)
             at_context(rt)
             rt.slot_ids.copy_(torch.tensor(cm.pool.slot_ids(names), dtype=torch.int32))
+            prompts = torch.randint(3, sp.config.vocab_size, (args.batch, args.prefill or 1), device="cuda")
             for variant in ("nolora", "lora"):
-                graph = rt.graphs.graphs[(variant, args.batch)][0]
-                table, replay = kernels(graph), us(graph.replay)
+                if args.prefill:
+                    step = functools.partial(cm.generate, prompts, adapter_names=names if variant == "lora" else None,
+                                             max_new_tokens=1, eos_token_id=())  # fmt: skip
+                    what = f"prefill of {args.batch} x {args.prefill} tokens"
+                else:
+                    step, what = rt.graphs.graphs[(variant, args.batch)][0].replay, f"batch {args.batch}"
+                table, replay = kernels(step, host=bool(args.prefill)), us(step)
                 results[f"{inner}/{variant}"] = {"replay_us": replay, "setup_s": setup, "kernels": table}
-                print_table(f"{inner} {variant}, batch {args.batch} (replay {replay:.0f} us)", table)
+                print_table(f"{inner} {variant}, {what} ({replay:.0f} us a call)", table)
         nolora, lora = results[f"{inner}/nolora"]["kernels"], results[f"{inner}/lora"]["kernels"]
         none = [0.0, 0.0]
         added = {k: [a - b for a, b in zip(lora.get(k, none), nolora.get(k, none))] for k in {*lora, *nolora}}
@@ -96,6 +112,7 @@ def main() -> None:
         **environment(),
         "model": args.model,
         "batch": args.batch,
+        "prefill": args.prefill,
         "adapters": ADAPTERS,
     }
     with open(args.out, "w") as f:
