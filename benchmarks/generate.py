@@ -183,11 +183,11 @@ def main() -> None:
         return
     # with --gpus N, up to N systems run at once, each on a GPU of its own
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = visible.split(",") if visible else [str(i) for i in range(args.gpus)]
+    devices = (visible.split(",") if visible else [str(i) for i in range(args.gpus)])[: args.gpus]
     names, systems = args.systems.split(","), {}
-    for wave in range(0, len(names), args.gpus):
+    for wave in range(0, len(names), len(devices)):
         procs = {}
-        for device, system in zip(devices, names[wave : wave + args.gpus], strict=False):
+        for device, system in zip(devices, names[wave : wave + len(devices)], strict=False):
             cmd = [sys.executable, __file__, "--model", args.model, "--batches", args.batches, "--system", system,
                    "--adapters", args.adapters, "--quant", args.quant]  # fmt: skip
             env = os.environ | ({"CUDA_VISIBLE_DEVICES": device} if args.gpus > 1 else {})

@@ -212,9 +212,9 @@ class DecodeRuntime:
         mask = torch.full((rows, 1, prompt_len, self.max_len), _masked(self.dtype), dtype=self.dtype, device=self.device)
         mask[..., :prompt_len].masked_fill_(visible, 0.0)
         variant = "lora" if any(s >= 0 for s in slots) else "nolora"
-        # one row prefills as two, as it decodes in the bucket of 2: Dynamo specialises a dimension
-        # of size 1, so a one-row prefill would be a trace and compile of its own. The extra row
-        # repeats row 0 with no adapter; its cache row is the idle one of that bucket.
+        # one row prefills as two: Dynamo specialises a dimension of size 1, so a one-row prefill
+        # would be a trace and compile of its own (the default decode buckets start at 2 for the
+        # same reason). The second row repeats the first with no adapter; its results are dropped.
         extra = int(rows == 1 and self.max_batch_size > 1)
         prefill = [torch.cat([t, t]) if extra else t for t in (ids, positions, mask)]
         slot_ids = None
