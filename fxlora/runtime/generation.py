@@ -204,29 +204,29 @@ class DecodeRuntime:
         pad = pad_token_id if pad_token_id is not None else eos_ids[0] if eos_ids else 0
         ids, keep = _left_align(input_ids.to(self.device), attention_mask, pad)
 
-        # prefill: the whole prompt, causal and padding-masked, into cache columns [0, prompt_len)
-        lengths = keep.sum(1)
-        positions = (keep.long().cumsum(1) - 1).clamp(min=0)
-        columns = torch.arange(prompt_len, device=self.device)
-        visible = keep[:, None, None, :] & (columns[None, :, None] >= columns[None, None, :])[:, None]
-        mask = torch.full((rows, 1, prompt_len, self.max_len), _masked(self.dtype), dtype=self.dtype, device=self.device)
-        mask[..., :prompt_len].masked_fill_(visible, 0.0)
-        variant = "lora" if any(s >= 0 for s in slots) else "nolora"
-        # one row prefills as two: Dynamo specialises a dimension of size 1, so a one-row prefill
+        # prefill: the whole prompt, causal and padding-masked, into cache columns [0, prompt_len).
+        # One row prefills as two: Dynamo specialises a dimension of size 1, so a one-row prefill
         # would be a trace and compile of its own (the default decode buckets start at 2 for the
         # same reason). The second row repeats the first with no adapter; its results are dropped.
         extra = int(rows == 1 and self.max_batch_size > 1)
-        prefill = [torch.cat([t, t]) if extra else t for t in (ids, positions, mask)]
+        prefill_ids, prefill_keep = (torch.cat([ids, ids]), torch.cat([keep, keep])) if extra else (ids, keep)
+        positions = (prefill_keep.long().cumsum(1) - 1).clamp(min=0)
+        columns = torch.arange(prompt_len, device=self.device)
+        visible = prefill_keep[:, None, None, :] & (columns[None, :, None] >= columns[None, None, :])[:, None]
+        shape = (rows + extra, 1, prompt_len, self.max_len)
+        mask = torch.full(shape, _masked(self.dtype), dtype=self.dtype, device=self.device)
+        mask[..., :prompt_len].masked_fill_(visible, 0.0)
+        variant = "lora" if any(s >= 0 for s in slots) else "nolora"
         slot_ids = None
         if variant == "lora":
             slot_ids = _to_device(torch.tensor(slots + [NO_ADAPTER] * extra, dtype=torch.int32), self.device)
         with tracing_as("prefill"):
-            logits = self._call(rows + extra, *prefill, columns, slot_ids)[:rows]
+            logits = self._call(rows + extra, prefill_ids, positions, mask, columns, slot_ids)[:rows]
 
         # decode state in the static buffers; each row keeps its slot for the whole call
         self.mask.fill_(_masked(self.dtype))
         self.mask[:rows, 0, 0, :prompt_len].masked_fill_(keep, 0.0)
-        self.positions[:rows, 0].copy_(lengths)
+        self.positions[:rows, 0].copy_(keep.sum(1))
         if slot_ids is not None:
             self.slot_ids.fill_(NO_ADAPTER)
             self.slot_ids[:rows].copy_(slot_ids[:rows])
