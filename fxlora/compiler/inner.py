@@ -56,25 +56,40 @@ class OpsSalt(CustomGraphPass):
         return (ops_digest(), None if self.then is None else self.then.uuid())
 
 
-def config_patches() -> dict[str, Any]:
-    """Inductor config patches for fxlora's graphs.
+def config_patches(float8: bool) -> dict[str, Any]:
+    """Inductor config patches for a graph of fxlora's; ``float8``: whether it reads float8 data.
 
     - The cache key salted with :func:`ops_digest`, unless a plain callable is the post-grad
       pass (Inductor does not cache such compilations).
-    - GEMMs from ATen's kernels only, unless max-autotune is on: without it Inductor takes
-      ATen's for ``mm`` and ``addmm`` but still autotunes Triton templates against ATen for
-      some others (``_scaled_mm`` and ``_int_mm``, FP8 and int8 linears; ``bmm``), compiling
-      and timing several kernels per shape for each graph and variant. ATen's kernel is the
-      one the model runs eagerly.
+    - In a graph that reads float8 data, GEMMs from ATen's kernels only, unless max-autotune
+      is on: without it Inductor still autotunes Triton templates against ATen for
+      ``_scaled_mm``, compiling and timing several kernels per GEMM shape for each graph and
+      variant; ATen's kernel is the one the FP8 model runs eagerly. Elsewhere Inductor keeps
+      its choices: for ``_int_mm`` (torchao's int8 activations) they are needed, as cuBLAS's
+      kernel takes only more than 16 rows.
     """
     config = torch._inductor.config
     patches: dict[str, Any] = {}
-    if not (config.max_autotune or config.max_autotune_gemm):
+    if float8 and not (config.max_autotune or config.max_autotune_gemm):
         patches["max_autotune_gemm_backends"] = "ATEN"
     configured = config.post_grad_custom_post_pass
     if configured is None or isinstance(configured, CustomGraphPass):
         patches["post_grad_custom_post_pass"] = OpsSalt(configured)
     return patches
+
+
+def reads_float8(values: list[Any]) -> bool:
+    """Whether a tensor among ``values``, or inside one that is a tensor subclass (a quantised
+    weight), holds float8 data."""
+
+    def float8(t: Any) -> bool:
+        if not isinstance(t, torch.Tensor):  # e.g. a DTensor's device mesh, flattened with it
+            return False
+        if is_traceable_wrapper_subclass(t):
+            return any(float8(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        return t.dtype.is_floating_point and t.dtype.itemsize == 1
+
+    return any(float8(v) for v in values)
 
 
 def resolve(inner: str | None, device: torch.device) -> str:
@@ -128,7 +143,7 @@ def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
             # the graph is an inference graph: no input asks for gradients, whatever the grad mode
             example_inputs.append(value.detach() if isinstance(value, torch.Tensor) else value)
     with torch.no_grad():  # an inference graph: fxlora's ops have no backward
-        compiled = compile_fx(composed(gm), example_inputs, config_patches=config_patches())
+        compiled = compile_fx(composed(gm), example_inputs, config_patches=config_patches(reads_float8(example_inputs)))
 
     def run(*args: Any) -> Any:
         with torch.no_grad():  # Inductor may finish compiling on the first call
