@@ -178,31 +178,39 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     counts = [int(k) for k in args.adapters.split(",")]
     if args.system:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.system} %(name)s: %(message)s", stream=sys.stderr)
         print(json.dumps(run_system(args.system, args.model, batches, counts, args.quant)))
         return
     # with --gpus N, up to N systems run at once, each on a GPU of its own
+    if args.gpus < 1:
+        parser.error("--gpus must be at least 1")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = (visible.split(",") if visible else [str(i) for i in range(args.gpus)])[: args.gpus]
+    devices = visible.split(",") if visible else [str(i) for i in range(max(torch.cuda.device_count(), 1))]
+    devices = devices[: args.gpus]
     names, systems = args.systems.split(","), {}
     for wave in range(0, len(names), len(devices)):
         procs = {}
-        for device, system in zip(devices, names[wave : wave + len(devices)], strict=False):
-            cmd = [sys.executable, __file__, "--model", args.model, "--batches", args.batches, "--system", system,
-                   "--adapters", args.adapters, "--quant", args.quant]  # fmt: skip
-            env = os.environ | ({"CUDA_VISIBLE_DEVICES": device} if args.gpus > 1 else {})
-            # the child's log (fxlora's setup stages) goes straight to this process's stderr
-            procs[system] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-        for system, proc in procs.items():
-            out, _ = proc.communicate()
-            if proc.returncode:
-                print(f"{system} failed (exit status {proc.returncode}); its log is above", flush=True)
-                systems[system] = {"error": f"exit status {proc.returncode}"}
-                continue
-            systems[system] = json.loads(out.strip().splitlines()[-1])
-            print(f"{system}: done", flush=True)
-            with open(args.out, "w") as f:  # what has run so far, should a later system not finish
-                json.dump({"systems": systems}, f, indent=1)
+        try:
+            for device, system in zip(devices, names[wave : wave + len(devices)], strict=False):
+                cmd = [sys.executable, __file__, "--model", args.model, "--batches", args.batches, "--system", system,
+                       "--adapters", args.adapters, "--quant", args.quant]  # fmt: skip
+                env = os.environ | ({"CUDA_VISIBLE_DEVICES": device} if args.gpus > 1 else {})
+                # the child's log (fxlora's setup stages) goes straight to this process's stderr
+                procs[system] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+            for system, proc in procs.items():
+                out, _ = proc.communicate()
+                lines = out.strip().splitlines()
+                if proc.returncode or not lines:
+                    print(f"{system} failed (exit status {proc.returncode}); its log is above", flush=True)
+                    systems[system] = {"error": f"exit status {proc.returncode}"}
+                    continue
+                systems[system] = json.loads(lines[-1])
+                print(f"{system}: done", flush=True)
+                with open(args.out, "w") as f:  # what has run so far, should a later system not finish
+                    json.dump({"systems": systems}, f, indent=1)
+        finally:
+            for proc in procs.values():
+                proc.kill()  # none left running, should this process stop early
     rows = {}
     for result in systems.values():
         rows.update(result.get("rows", {}))
