@@ -125,6 +125,26 @@ def test_only_float8_graphs_keep_to_aten_gemms():
         assert "max_autotune_gemm_backends" not in inner.config_patches(True)
 
 
+def test_a_graph_holding_float8_weights_keeps_to_aten_gemms(monkeypatch):
+    # weights the graph holds as attributes count, as its inputs do
+    import torch._inductor.compile_fx
+
+    from fxlora.compiler import inner
+
+    patches = {}
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", lambda gm, inputs, config_patches: patches.update(config_patches))
+    for dtype, gemms in ((torch.float8_e4m3fn, "ATEN"), (torch.bfloat16, None)):
+        module = torch.nn.Module()
+        module.register_buffer("w", torch.randn(8, 4).to(dtype))
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        x.meta["val"] = torch.randn(2, 4)
+        graph.output(graph.call_function(torch.nn.functional.linear, (x, graph.get_attr("w"))))
+        patches.clear()
+        inner.compile_inner(torch.fx.GraphModule(module, graph), "inductor")
+        assert patches.get("max_autotune_gemm_backends") == gemms
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.version.hip is not None or torch.cuda.get_device_capability() < (8, 9),
     reason="needs an NVIDIA GPU with FP8 GEMMs",

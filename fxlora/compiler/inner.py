@@ -143,7 +143,8 @@ def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
             # the graph is an inference graph: no input asks for gradients, whatever the grad mode
             example_inputs.append(value.detach() if isinstance(value, torch.Tensor) else value)
     with torch.no_grad():  # an inference graph: fxlora's ops have no backward
-        compiled = compile_fx(composed(gm), example_inputs, config_patches=config_patches(reads_float8(example_inputs)))
+        float8 = reads_float8([*example_inputs, *gm.parameters(), *gm.buffers()])  # inputs, or weights held
+        compiled = compile_fx(composed(gm), example_inputs, config_patches=config_patches(float8))
 
     def run(*args: Any) -> Any:
         with torch.no_grad():  # Inductor may finish compiling on the first call
