@@ -23,7 +23,8 @@ head and, for MoE, ``Float8WeightOnlyConfig`` on the experts' parameters (``FqnT
 A system's decode rate is ``rows * (new - 1) / (t(new) - t(1))`` and its prefill rate
 ``rows * prompt / t(1)``, ``t(n)`` the median time of a call making ``n`` new tokens after
 warm-up. ``setup_s``: the first call, compile and capture included (for fxlora, compile,
-``prepare()`` and that call, each in ``setup_parts_s``). ``peak_MiB``: the most device
+``prepare()`` and that call, each in ``setup_parts_s``; ``first_call_s``: the first call of
+each batch size and variant, which shows any later compile). ``peak_MiB``: the most device
 memory the process held.
 """
 
@@ -113,7 +114,10 @@ def run_system(system: str, model_name: str, batches: list[int], counts: list[in
             for variant, adapter_names in names.items():
                 # no end token, as min_new_tokens=n makes it for transformers and PEFT: every call runs n steps
                 call = lambda n: cm.generate(prompts[b], adapter_names=adapter_names, max_new_tokens=n, eos_token_id=())  # noqa: B023, E731
+                first = time.perf_counter()
                 call(NEW)
+                # a first call that compiles (a new prefill shape Dynamo cannot share) shows here
+                results.setdefault("first_call_s", {})[f"{variant}/{b}"] = time.perf_counter() - first
                 if "setup_s" not in results:
                     results["setup_s"] = time.perf_counter() - start
                     results["setup_parts_s"] = {  # the first call compiles the prefill graph
