@@ -18,6 +18,7 @@ pass that changes nothing, puts a hash of the ops' sources into the key.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -31,6 +32,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 import fxlora.ops
 
 INNER = ("eager", "inductor")
+
+log = logging.getLogger(__name__)
 
 
 @cache
@@ -61,21 +64,35 @@ def config_patches(float8: bool) -> dict[str, Any]:
 
     - The cache key salted with :func:`ops_digest`, unless a plain callable is the post-grad
       pass (Inductor does not cache such compilations).
-    - In a graph that reads float8 data, GEMMs from ATen's kernels only, unless max-autotune
-      is on: without it Inductor still autotunes Triton templates against ATen for
-      ``_scaled_mm``, compiling and timing several kernels per GEMM shape for each graph and
-      variant; ATen's kernel is the one the FP8 model runs eagerly. Elsewhere Inductor keeps
-      its choices: for ``_int_mm`` (torchao's int8 activations) they are needed, as cuBLAS's
-      kernel takes only more than 16 rows.
+    - Autotuning only under max-autotune. Without it:
+      - coordinate-descent tuning stays off, though torchao's quantisation configs switch it
+        on process-wide (``set_inductor_config``): it compiles and times dozens of variants of
+        each kernel in the main process on a graph's first run, minutes per graph on an FP8
+        model, and fxlora compiles two variants of the decode step and of the prefill;
+      - in a graph that reads float8 data, GEMMs from ATen's kernels only: Inductor otherwise
+        times Triton templates against ATen for ``_scaled_mm``, compiling several kernels per
+        GEMM shape for each graph and variant; ATen's kernel is the one the FP8 model runs
+        eagerly. Elsewhere Inductor keeps its GEMM choices: for ``_int_mm`` (torchao's int8
+        activations) they are needed, as cuBLAS's kernel takes only more than 16 rows.
     """
     config = torch._inductor.config
     patches: dict[str, Any] = {}
-    if float8 and not (config.max_autotune or config.max_autotune_gemm):
-        patches["max_autotune_gemm_backends"] = "ATEN"
+    if not (config.max_autotune or config.max_autotune_gemm):
+        if config.coordinate_descent_tuning:
+            _say_once("coordinate-descent tuning is on (torchao's quantisation configs set it); fxlora's graphs "
+                      "compile without it, unless Inductor's max_autotune is on as well")  # fmt: skip
+            patches["coordinate_descent_tuning"] = False
+        if float8:
+            patches["max_autotune_gemm_backends"] = "ATEN"
     configured = config.post_grad_custom_post_pass
     if configured is None or isinstance(configured, CustomGraphPass):
         patches["post_grad_custom_post_pass"] = OpsSalt(configured)
     return patches
+
+
+@cache
+def _say_once(message: str) -> None:
+    log.info(message)
 
 
 def reads_float8(values: list[Any]) -> bool:
