@@ -170,8 +170,9 @@ def _quantized_experts(kind):
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 def test_quantised_experts_in_bf16_with_cuda_graphs(kind):
     """torchao experts on CUDA under Inductor: float8 through the subclass's grouped GEMM, int8
-    (no grouped GEMM) per expert. A mixed batch against the decomposition oracle (the quantised
-    model's eager experts loop plus the reference deltas), and a batched greedy generate, its
+    (no grouped GEMM) per expert. A mixed batch and one without adapters against the
+    decomposition oracle (the quantised model's eager experts loop plus the reference deltas),
+    and a batched greedy generate, its
     decode steps replayed from CUDA graphs, teacher-forced against the same oracle."""
     pytest.importorskip("torchao")
     from fxlora.compiler import quantized_experts
@@ -191,7 +192,8 @@ def test_quantised_experts_in_bf16_with_cuda_graphs(kind):
     assert model.config._experts_implementation == quantized_experts.NAME
     names = ["a", None, "b", "a"]
     ids = torch.randint(3, 200, (4, 7), generator=torch.Generator().manual_seed(2)).cuda()
-    assert_matches_decomposition(cm, twin, adapters, names, input_ids=ids)
+    for rows in (names, [None] * len(names)):  # the lora variant, then nolora
+        assert_matches_decomposition(cm, twin, adapters, rows, input_ids=ids)
     tokens = cm.generate(ids, torch.ones_like(ids), adapter_names=names, max_new_tokens=6, pad_token_id=0)
     assert cm.prepare().graphs.graphs, "the decode steps were not captured"
     sequence = torch.cat([ids, tokens[:, -6:]], dim=1)

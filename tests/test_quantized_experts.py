@@ -72,15 +72,44 @@ def test_quantised_experts_carry_lora(moe, kind):
     )
 
 
-def test_int8_experts_under_inductor(moe):
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantised_experts_under_inductor(moe, kind):
     """Inductor compiles the experts as ``fxlora::moe_lora``'s composition (they read a tensor
     subclass): int8 weights have no transpose or grouped GEMM, so their own ``dequantize()``
-    feeds the grouped GEMM, in float32 ``fxlora::grouped_mm`` (ATen's does not trace there)."""
+    feeds the grouped GEMM, in float32 ``fxlora::grouped_mm`` (ATen's does not trace there).
+    Both variants: a mixed batch runs ``lora``, a batch without adapters ``nolora``, the
+    model's own traced experts call."""
     torch._dynamo.reset()
-    model, twin = quantized_pair(moe, "int8")
+    model, twin = quantized_pair(moe, kind)
     adapters = experts_adapters(moe)
     cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8, inner="inductor")
-    assert_matches_decomposition(cm, twin, adapters, NAMES, **inputs())
+    for names in (NAMES, [None] * len(NAMES)):
+        assert_matches_decomposition(cm, twin, adapters, names, **inputs())
+
+
+def test_the_op_on_quantised_experts_traces_its_computation(moe):
+    """Traced through the subclass (AOTAutograd desugars a subclass input into its inner
+    tensors), ``fxlora::moe_lora`` on quantised experts records its computation, not the
+    empty tensor of its fake."""
+    from fxlora.adapters import experts
+
+    model, _ = quantized_pair(moe, "int8")
+    quantized_experts.serve(model, "torchao")
+    module = model.model.layers[0].mlp.experts
+    up, down = experts.experts_parameters(module).values()
+    layout = getattr(module, quantized_experts.LAYOUT)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(6, moe.config.hidden_size, generator=generator)
+    index = torch.randint(0, up.shape[0], (6, 2), generator=generator)
+    weights = torch.rand(6, 2, generator=generator)
+
+    def experts_call(hidden, index, weights, up, down):
+        no_adapter = torch.full((hidden.shape[0],), -1, dtype=torch.int32)
+        return torch.ops.fxlora.moe_lora(hidden, index, weights, up, None, down, None, [], [], no_adapter, **layout)
+
+    eager = experts_call(hidden, index, weights, up, down)
+    traced = torch.compile(experts_call, backend="aot_eager", fullgraph=True)(hidden, index, weights, up, down)
+    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-6)
 
 
 def test_hot_swapped_adapter_on_quantised_experts(moe):

@@ -253,15 +253,17 @@ def serve_weights_of(subclass: type) -> None:
     torchao's ``Int8Tensor``), whose own ops then compute the base GEMMs: on CUDA through
     :func:`moe_lora_composed` (the subclass's transpose and grouped GEMM, or its
     ``dequantize()`` then a grouped GEMM), elsewhere through the reference (its ``select``
-    and ``F.linear`` per expert). Fake inputs, as Dynamo traces the experts, give the fake
-    output; a graph compiled for CUDA holds the composition in the op's place
-    (:data:`COMPOSITIONS`), so the op itself is never traced with the subclass."""
+    and ``F.linear`` per expert). Fake inputs trace the composition (the reference reads
+    the routing on the host): a graph traced through the subclass, as AOTAutograd traces a
+    graph whose inputs are subclasses, then computes the op rather than an empty tensor of
+    its shape. fxlora's graphs hold the composition in the op's place already
+    (:data:`COMPOSITIONS`, :func:`fxlora.compiler.inner.composed`)."""
     if subclass in _SERVED_SUBCLASSES:
         return
 
     def rule(cls, func, types, args, kwargs):
         if is_fake(args[0]):
-            return moe_lora_fake(*args, **kwargs)
+            return moe_lora_composed(*args, **kwargs)
         run = moe_lora_composed if args[0].is_cuda and sgmv is not None else moe_lora_reference
         return run(*args, **kwargs)
 
