@@ -172,8 +172,8 @@ def test_quantised_experts_in_bf16_with_cuda_graphs(kind):
     """torchao experts on CUDA under Inductor: float8 through the subclass's grouped GEMM, int8
     (no grouped GEMM) per expert. A mixed batch and one without adapters against the
     decomposition oracle (the quantised model's eager experts loop plus the reference deltas),
-    and a batched greedy generate, its
-    decode steps replayed from CUDA graphs, teacher-forced against the same oracle."""
+    and a batched greedy generate, its decode steps replayed from CUDA graphs, teacher-forced
+    against the same oracle."""
     pytest.importorskip("torchao")
     from fxlora.compiler import quantized_experts
     from fxlora.testing import assert_greedy_agrees, assert_matches_decomposition, decomposed_logits, quantized_model
