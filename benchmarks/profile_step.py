@@ -1,7 +1,8 @@
 """Where one decode step's time goes: the kernels of a replay of fxlora's ``nolora`` and ``lora``
 decode graphs (``torch.profiler``), per inner compiler, and what ``lora`` adds kernel by kernel.
 With ``--prefill N``, the same for a prefill of ``N``-token prompts instead (a ``generate``
-call making one token: no CUDA graph, so the host's time is printed too, by operator).
+call making one token: no CUDA graph, so the host's time is printed too, by operator and by
+Python function).
 
     python benchmarks/profile_step.py [--model llama|qwen3_moe] [--batch 128] [--inner inductor,eager]
                                       [--prefill 128] [--out F.json]
@@ -17,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import functools
+import io
 import json
+import pstats
 import time
 from collections.abc import Callable
 
@@ -51,7 +55,22 @@ def kernels(step: Callable[[], object], host: bool = False) -> dict[str, list[fl
             table[e.name][1] += 1 / REPLAYS
     if host:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
+        python_functions(step)
     return dict(table)
+
+
+def python_functions(step: Callable[[], object], top: int = 25) -> None:
+    """The host's Python functions that take the most time over ``REPLAYS`` calls of ``step``
+    (cProfile, by own time): what the operators' times above are made of."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(REPLAYS):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    print(f"Python functions over {REPLAYS} calls, by own time:" + out.getvalue().split("\n\n", 1)[-1])
 
 
 def print_table(title: str, table: dict[str, list[float]], top: int = 25) -> None:
