@@ -23,3 +23,16 @@ settings.load_profile("fxlora")
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+# what torchao's quantisation configs set in Inductor's config for the whole process
+# (set_inductor_config=True): restored after each test, so none leaks into the next
+TORCHAO_INDUCTOR_KEYS = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions",
+                         "force_fuse_int_mm_with_mul", "fx_graph_cache", "triton.unique_kernel_names")  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _inductor_config_restored():
+    config = torch._inductor.config
+    with config.patch({name: config.get_config_copy()[name] for name in TORCHAO_INDUCTOR_KEYS}):
+        yield

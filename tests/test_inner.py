@@ -131,10 +131,8 @@ def test_coordinate_descent_tuning_waits_for_max_autotune():
 
     from fxlora.compiler import inner
 
-    config = torch._inductor.config
-    torchao_sets = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul",
-                    "fx_graph_cache", "triton.unique_kernel_names")  # fmt: skip
-    with config.patch({name: config.get_config_copy()[name] for name in torchao_sets} | {"coordinate_descent_tuning": False}):
+    config = torch._inductor.config  # what torchao sets is restored after the test (conftest)
+    with config.patch(coordinate_descent_tuning=False):
         quantize_(torch.nn.Sequential(torch.nn.Linear(32, 32)), Int8WeightOnlyConfig())
         assert config.coordinate_descent_tuning  # what a user gets from torchao
         assert inner.config_patches(False)["coordinate_descent_tuning"] is False
@@ -200,3 +198,15 @@ def test_fp8_gemms_take_aten_kernels_without_autotuning(monkeypatch):
         run = inner.compile_inner(gm, "inductor")
         assert chosen_from == [["ExternKernelCaller"]]
         torch.testing.assert_close(run(*args), scaled_mm(*args))
+
+
+def test_compositions_replace_the_op_by_overload_or_packet():
+    # the experts of quantised models call the packet (no LoRA op), the lora_moe pass the overload
+    import operator
+
+    from fxlora.compiler import inner
+    from fxlora.ops.moe_lora import moe_lora_composed
+
+    assert inner._composition(torch.ops.fxlora.moe_lora) is moe_lora_composed
+    assert inner._composition(torch.ops.fxlora.moe_lora.default) is moe_lora_composed
+    assert inner._composition(torch.ops.aten.mm.default) is None and inner._composition(operator.add) is None

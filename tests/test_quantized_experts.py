@@ -93,6 +93,7 @@ def test_the_op_on_quantised_experts_traces_its_computation(moe):
     empty tensor of its fake."""
     from fxlora.adapters import experts
 
+    torch._dynamo.reset()
     model, _ = quantized_pair(moe, "int8")
     quantized_experts.serve(model, "torchao")
     module = model.model.layers[0].mlp.experts
@@ -182,3 +183,26 @@ def test_int8_experts_stored_transposed_are_refused():
     with pytest.raises(fxlora.QuantizationError, match=r"\(torchao FqnToConfig\).*'model\.layers\.0\.mlp\.experts' holds Int8Tensor.*aten\.mm"):
         fxlora.compile(model, attention, max_loras=2, max_rank=8)
     assert model.config._experts_implementation == "eager"
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_float8_experts_stored_transposed_serve_rows_without_adapters(inner):
+    """GPT-OSS's float8 experts (E, in, out): the composition dequantises them (torchao's
+    grouped GEMM refuses that layout on CUDA). Rows without an adapter, in a mixed batch and in
+    ``nolora``, equal the quantised model's eager loop (the decomposition oracle does not
+    read transposed experts)."""
+    torch._dynamo.reset()
+    dense = tiny_model("gpt_oss", seed=2)
+    model, twin = (quantized_model(dense, experts_config("fp8"), experts_implementation="eager") for _ in range(2))
+    both = ["experts.gate_up_proj", "experts.down_proj"]
+    adapters = {"a": make_adapter(dense, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=both), seed=1, directory="")}
+    cm = fxlora.compile(model, adapters, max_loras=2, max_rank=8, inner=inner)
+    batch = inputs()
+    mask = batch["attention_mask"].bool()
+    with torch.no_grad():
+        base = twin(**batch).logits
+        nolora = cm(**batch, adapter_names=[None] * 3).logits
+        mixed = cm(**batch, adapter_names=["a", None, "a"]).logits
+    torch.testing.assert_close(nolora[mask], base[mask], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mixed[1][mask[1]], base[1][mask[1]], rtol=1e-5, atol=1e-6)
+    assert (mixed[0][mask[0]] - base[0][mask[0]]).abs().max() > 1e-3  # the adapter's rows differ

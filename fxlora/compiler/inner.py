@@ -123,15 +123,25 @@ def composed(gm: fx.GraphModule) -> fx.GraphModule:
     weight), an op of :data:`COMPOSITIONS`, a copy calling the composition instead (Inductor
     traces through a Python function, not into a custom op; a subclass computes the
     composition's ops as its own, or says which one it lacks)."""
-    swap = [n for n in gm.graph.nodes if n.target in fxlora.ops.COMPOSITIONS and (_on_cuda(n) or _reads_subclass(n))]
+    swap = {n: _composition(n.target) for n in gm.graph.nodes}
+    swap = {n: c for n, c in swap.items() if c is not None and (_on_cuda(n) or _reads_subclass(n))}
     if not swap:
         return gm
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, copies))
-    for n in swap:
-        copies[n].target = fxlora.ops.COMPOSITIONS[n.target]
+    for n, composition in swap.items():
+        copies[n].target = composition
     return fx.GraphModule(gm, graph)
+
+
+def _composition(target: Any) -> Callable[..., Any] | None:
+    """The composition of an op of :data:`COMPOSITIONS` called as its overload or its packet
+    (``torch.ops.fxlora.moe_lora``, as the experts implementation of quantised experts
+    calls it: the traced call of a module without adapters, which is no LoRA op)."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    return fxlora.ops.COMPOSITIONS.get(target) if isinstance(target, torch._ops.OpOverload) else None
 
 
 def _on_cuda(node: fx.Node) -> bool:

@@ -39,7 +39,7 @@ def forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: tor
     up, down = experts.experts_parameters(self).values()
     up_bias, down_bias = experts.experts_biases(self)
     no_adapter = torch.full((hidden_states.shape[0],), -1, dtype=torch.int32, device=hidden_states.device)
-    return torch.ops.fxlora.moe_lora.default(
+    return torch.ops.fxlora.moe_lora(  # the packet: a call without adapters is no LoRA op (LORA_OPS)
         hidden_states, top_k_index, top_k_weights, up, up_bias, down, down_bias, [], [], no_adapter, **getattr(self, LAYOUT)
     )
 

@@ -190,12 +190,13 @@ def moe_lora_composed(
 def _grouped_linear(x, weight, offsets, bias, pair_expert, transposed: bool):
     """Each segment of ``x`` (pairs sorted by expert, ``offsets`` their cumulative ends)
     times its expert's weight. A tensor subclass (a quantised weight) without a transpose or
-    grouped GEMM of its own, as torchao's ``Int8Tensor``, is dequantised by its own
+    grouped GEMM of its own, as torchao's ``Int8Tensor`` (or ``Float8Tensor`` stored
+    ``(E, in, out)`` on CUDA, a layout its grouped GEMM refuses), is dequantised by its own
     ``dequantize()`` first: every expert of the layer once per call, then one grouped GEMM
     (not one GEMM per expert over all pairs, E times the FLOPs and the launches)."""
     try:
         y = _grouped_mm(x, weight, offsets, transposed)
-    except NotImplementedError as e:
+    except (NotImplementedError, AssertionError) as e:  # torchao asserts on a layout it lacks
         dequantize = getattr(weight, "dequantize", None)
         if dequantize is None:
             raise NotImplementedError(
