@@ -199,3 +199,29 @@ def test_quantised_experts_in_bf16_with_cuda_graphs(kind):
     sequence = torch.cat([ids, tokens[:, -6:]], dim=1)
     logits = decomposed_logits(twin, adapters, names, input_ids=sequence)
     assert_greedy_agrees(tokens[:, -6:].cpu(), logits[:, -7:-1].cpu())
+
+
+def test_float8_experts_stored_transposed_in_bf16():
+    """GPT-OSS's float8 experts (E, in, out), whose layout torchao's grouped GEMM refuses:
+    the composition dequantises them. Rows without an adapter, in a mixed batch and in
+    ``nolora``, against the quantised model's eager loop (per-token KL in bf16); the adapter's
+    rows differ from it."""
+    pytest.importorskip("torchao")
+    from fxlora.testing import quantized_model
+    from fxlora.testing.oracle import KL_TOL, row_errors
+
+    torch._dynamo.reset()
+    cpu_model = tiny_model("gpt_oss", seed=2, dtype=torch.bfloat16)
+    model, twin = (
+        quantized_model(cpu_model, _quantized_experts("fp8"), experts_implementation="eager", device_map="cuda") for _ in range(2)
+    )
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS)
+    adapters = {"a": make_adapter(cpu_model, config, seed=1, directory="", scale=1.0)}
+    cm = fxlora.compile(model, adapters, max_loras=2, max_rank=8)
+    ids = torch.randint(3, cpu_model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(2)).cuda()
+    base = twin(input_ids=ids).logits
+    nolora = cm(input_ids=ids, adapter_names=[None] * 3).logits
+    mixed = cm(input_ids=ids, adapter_names=["a", None, "a"]).logits
+    assert max(row_errors(nolora, base)) <= KL_TOL[torch.bfloat16]
+    assert row_errors(mixed[1:2], base[1:2])[0] <= KL_TOL[torch.bfloat16]
+    assert max(row_errors(mixed[::2], base[::2])) > KL_TOL[torch.bfloat16]
