@@ -1,9 +1,9 @@
 """CUDA-only checks of LoRA on quantised dense bases, run by scripts/gpu_tests.sh: torchao int8
 and int4 weight-only and FP8 (dynamic activations, per-row scales) linears, and bitsandbytes'
 4-bit nf4 (QLoRA's base), in bf16 under the CUDA defaults (Inductor, CUDA graphs). A mixed
-batch against PEFT (which wraps these layers), and a batched greedy generate, its decode steps
-replayed from CUDA graphs, teacher-forced against the decomposition oracle. (Quantised MoE
-experts: tests/test_gpu_moe.py.)"""
+batch and one without adapters against PEFT (which wraps these layers), and a batched greedy
+generate, its decode steps replayed from CUDA graphs, teacher-forced against the decomposition
+oracle. (Quantised MoE experts: tests/test_gpu_moe.py.)"""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def test_torchao_linears_in_bf16_with_cuda_graphs(kind):
     assert type(model.model.layers[0].self_attn.q_proj.weight).__module__.startswith("torchao")
     adapters, cm = served(model, source)
     ids = torch.randint(3, 200, (4, 9), generator=torch.Generator().manual_seed(2)).cuda()
-    assert_matches_peft(cm, model, adapters, NAMES, input_ids=ids)  # PEFT's TorchaoLoraLinear
+    for names in (NAMES, [None] * len(NAMES)):  # the lora variant, then nolora
+        assert_matches_peft(cm, model, adapters, names, input_ids=ids)  # PEFT's TorchaoLoraLinear
     check_generate(cm, model, adapters)
 
 
@@ -86,5 +87,6 @@ def test_bitsandbytes_nf4_linears_in_bf16_with_cuda_graphs(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, device_map="cuda").eval()
     adapters, cm = served(model, source)
     ids = torch.randint(3, 200, (4, 9), generator=torch.Generator().manual_seed(2)).cuda()
-    assert_matches_peft(cm, model, adapters, NAMES, input_ids=ids)  # PEFT's bitsandbytes Linear4bit
+    for names in (NAMES, [None] * len(NAMES)):  # the lora variant, then nolora
+        assert_matches_peft(cm, model, adapters, names, input_ids=ids)  # PEFT's bitsandbytes Linear4bit
     check_generate(cm, model, adapters)
