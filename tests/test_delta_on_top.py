@@ -114,6 +114,17 @@ def test_torchao_linears_keep_their_quantised_matmul(llama, quant):
     assert "q_proj + k_proj + v_proj" in report and "gate_proj + up_proj" in report
 
 
+def test_torchao_linears_under_inductor(llama):
+    """Inductor traces the quantised matmuls through the subclass: both variants against the
+    decomposition (rows without an adapter, in a mixed batch and in ``nolora``, included)."""
+    torch._dynamo.reset()
+    model = quantized_model(llama, quant_type("int8"))
+    adapters = adapters_for(llama, ["q_proj", "v_proj", "down_proj"])
+    cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8, inner="inductor")
+    for names in (NAMES, [None] * len(NAMES)):
+        assert_matches_decomposition(cm, model, adapters, names, **inputs())
+
+
 def test_torchao_quantize_without_transformers_is_served(llama):
     """Weights that ``torchao.quantize_`` replaced, with no quantization_config: named "torchao"."""
     import copy
