@@ -95,7 +95,8 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         if mine is not None:  # the routes to this rank's experts only; the all-reduce adds the rest
             ours = (first, mine[1])
             routes = gm.graph.call_function(local_routing, (top_k_index, top_k_weights, *ours))
-            fake_value(routes, lambda i, w=meta_value(top_k_weights): local_routing(i, w, *ours), top_k_index)
+            weights_value = meta_value(top_k_weights)
+            fake_value(routes, lambda i: local_routing(i, weights_value, *ours), top_k_index)
             top_k_index, top_k_weights = (gm.graph.call_function(operator.getitem, (routes, i)) for i in range(2))
             for i, node in enumerate((top_k_index, top_k_weights)):
                 node.meta["example_value"] = routes.meta["example_value"][i]
