@@ -103,7 +103,6 @@ def test_inductor_compiles_a_cuda_experts_op_as_its_composition():
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [op]
 
 
-
 def test_only_float8_graphs_keep_to_aten_gemms():
     # Inductor's GEMM choices stay its own but where a graph reads float8 data (as a tensor, or
     # inside a quantised weight): _int_mm needs its Triton templates below 17 rows
