@@ -5,13 +5,14 @@ call making one token: no CUDA graph, so the host's time is printed too, by oper
 Python function).
 
     python benchmarks/profile_step.py [--model llama|qwen3_moe] [--batch 128] [--inner inductor,eager]
-                                      [--prefill 128] [--out F.json]
+                                      [--prefill 128] [--quant none|fp8] [--out F.json]
 
 The model, adapters and step are ``decode.py``'s (bf16, random weights, 16 rank-16 adapters
-round-robin over the rows, context 512), compiled with one batch bucket, ``--batch``. Each
-graph is replayed ``REPLAYS`` times under the profiler; a kernel's time is its total over
-them divided by ``REPLAYS``. The printed table groups kernels by name, largest first; the
-difference table lists what ``lora`` adds to ``nolora`` under the same inner compiler.
+round-robin over the rows, context 512; with ``--quant fp8``, on ``generate.py``'s FP8 base),
+compiled with one batch bucket, ``--batch``. Each graph is replayed ``REPLAYS`` times under
+the profiler; a kernel's time is its total over them divided by ``REPLAYS``. The printed table
+groups kernels by name, largest first; the difference table lists what ``lora`` adds to
+``nolora`` under the same inner compiler.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Callable
 import torch
 import transformers
 from decode import MAX_LEN, RANK, at_context, environment, make_adapters, spec, us
+from generate import quantize
 from torch.profiler import ProfilerActivity, profile
 
 import fxlora
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--inner", default="inductor,eager")
     parser.add_argument("--prefill", type=int, help="profile a prefill of prompts this long instead")
+    parser.add_argument("--quant", choices=("none", "fp8"), default="none")
     parser.add_argument("--out", default="profile_step.json")
     args = parser.parse_args()
     sp = spec(args.model)
@@ -94,7 +97,8 @@ def main() -> None:
     with torch.device("cuda"):  # initialised there: the CPU takes over a minute for the MoE's experts
         model = transformers.AutoModelForCausalLM.from_config(sp.config, dtype=torch.bfloat16).eval()
     fill_zero_weights(model, 0.02)
-    adapters = make_adapters(sp, ADAPTERS)
+    adapters = make_adapters(sp, ADAPTERS)  # from the unquantised weights' shapes
+    quantize(model, args.quant)
     names = [f"ad{i % ADAPTERS}" for i in range(args.batch)]
     results = {}
     for inner in args.inner.split(","):
@@ -133,6 +137,7 @@ def main() -> None:
         "batch": args.batch,
         "prefill": args.prefill,
         "adapters": ADAPTERS,
+        "quant": args.quant,
     }
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)

@@ -1,0 +1,151 @@
+"""Where fxlora's setup goes: the setup of ``generate.py`` (``fxlora.compile``, ``prepare()``
+and the first call, which compiles the prefill graph), split by what the time is spent on.
+
+    python benchmarks/setup_time.py [--model llama|qwen3_moe] [--quant none|fp8] [--out F.json]
+
+Measured by wrapping, for this process only: each Inductor compile of a graph variant (and the
+first run of what it returns), Triton's compiler (the compilations this process does itself:
+fxlora's kernels on their first launch with each specialisation, and any of Inductor's kernels
+not compiled in its worker pool) and Inductor's autotuning of its kernels' launch configs.
+Run it with empty caches (``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` pointing at new
+directories) for the cold setup, again with the same directories for the warm one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import torch
+import transformers
+import triton
+import triton.compiler.compiler
+from decode import environment, make_adapters, spec
+from generate import NEW, PROMPT, quantize
+from torch._inductor.runtime import triton_heuristics
+
+import fxlora
+from fxlora.runtime import routing
+from fxlora.testing.models import fill_zero_weights
+
+ADAPTERS, BATCH = 16, 32
+
+
+class Spies:
+    """Counts and seconds by key, from the wrapped functions while they run."""
+
+    def __init__(self) -> None:
+        self.count: collections.Counter = collections.Counter()
+        self.seconds: collections.Counter = collections.Counter()
+        self.graphs: list[dict] = []
+
+    def timed(self, key: tuple, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.count[key] += 1
+            self.seconds[key] += time.perf_counter() - start
+
+    def install(self) -> None:
+        compile_triton = triton.compiler.compiler.compile
+
+        def triton_compile(src, *args, **kwargs):
+            name = getattr(getattr(src, "fn", None), "__name__", None) or getattr(src, "name", "?")
+            kind = "inductor" if name.startswith("triton_") else "fxlora"  # Inductor's kernels' prefix
+            return self.timed(("triton compile", kind, name), compile_triton, src, *args, **kwargs)
+
+        # the names Triton's launchers may reach the compiler by
+        triton.compiler.compiler.compile = triton.compiler.compile = triton.compile = triton_compile
+        benchmark = triton_heuristics.CachingAutotuner.benchmark_all_configs
+
+        def autotune(tuner, *args, **kwargs):
+            return self.timed(("autotune", "inductor", tuner.fn.__name__), benchmark, tuner, *args, **kwargs)
+
+        triton_heuristics.CachingAutotuner.benchmark_all_configs = autotune
+        compile_inner = routing.compile_inner
+
+        def inner(graph, how):
+            record = {"nodes": len(graph.graph.nodes), "compile_s": 0.0, "first_run_s": None}
+            self.graphs.append(record)
+            start = time.perf_counter()
+            compiled = compile_inner(graph, how)
+            record["compile_s"] = time.perf_counter() - start
+
+            def run(*args):
+                if record["first_run_s"] is not None:
+                    return compiled(*args)
+                start = time.perf_counter()
+                out = compiled(*args)
+                torch.cuda.synchronize()
+                record["first_run_s"] = time.perf_counter() - start
+                return out
+
+            return run
+
+        routing.compile_inner = inner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--quant", choices=("none", "fp8"), default="none")
+    parser.add_argument("--max-batch-size", type=int, default=128)
+    parser.add_argument("--out", default="setup_time.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    sp = spec(args.model)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(sp.config, dtype=torch.bfloat16).eval()
+    fill_zero_weights(model, 0.02)
+    adapters = make_adapters(sp, ADAPTERS)
+    quantize(model, args.quant)
+    spies = Spies()
+    spies.install()
+    phases = {}
+    start = time.perf_counter()
+    cm = fxlora.compile(model, adapters, max_loras=ADAPTERS, max_rank=16, max_batch_size=args.max_batch_size,
+                        max_len=PROMPT + NEW)  # fmt: skip
+    phases["compile"] = time.perf_counter() - start
+    start = time.perf_counter()
+    runtime = cm.prepare()
+    phases["prepare"] = time.perf_counter() - start
+    phases["of which capture"] = runtime.graphs.capture_seconds
+    prompts = torch.randint(3, sp.config.vocab_size, (BATCH, PROMPT), device="cuda")
+    names = [f"ad{i % ADAPTERS}" for i in range(BATCH)]
+    for call in ("first call", "second call"):
+        start = time.perf_counter()
+        cm.generate(prompts, adapter_names=names, max_new_tokens=NEW, eos_token_id=())
+        torch.cuda.synchronize()
+        phases[call] = time.perf_counter() - start
+    phases["setup"] = phases["compile"] + phases["prepare"] + phases["first call"]
+    print("setup: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
+    print("graph variants compiled (in order):")
+    for g in spies.graphs:
+        print(f"  {g['nodes']:5} nodes: Inductor {g['compile_s']:6.1f} s, first run {g['first_run_s'] or 0:5.1f} s")
+    by_kind: dict = collections.defaultdict(lambda: [0, 0.0])
+    for key, n in spies.count.items():
+        by_kind[key[:2]][0] += n
+        by_kind[key[:2]][1] += spies.seconds[key]
+    for (what, kind), (n, s) in sorted(by_kind.items()):
+        print(f"{what} ({kind}): {n} in {s:.1f} s")
+    print("by kernel, the longest:")
+    for key, s in spies.seconds.most_common(15):
+        print(f"  {spies.count[key]:4} {s:6.2f} s  {key[0]} {key[2][:70]}")
+    result = {
+        "meta": {**environment(), "model": args.model, "quant": args.quant, "max_batch_size": args.max_batch_size,
+                 "adapters": ADAPTERS},  # fmt: skip
+        "phases_s": phases,
+        "graphs": spies.graphs,
+        "by_kind": {f"{w} ({k})": {"count": n, "seconds": s} for (w, k), (n, s) in by_kind.items()},
+        "kernels": [{"what": k[0], "kind": k[1], "name": k[2], "count": spies.count[k], "seconds": s}
+                    for k, s in spies.seconds.most_common()],  # fmt: skip
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
