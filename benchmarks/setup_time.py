@@ -24,6 +24,7 @@ import triton
 import triton.compiler.compiler
 from decode import environment, make_adapters, spec
 from generate import NEW, PROMPT, quantize
+from torch._dynamo.utils import counters
 from torch._inductor.runtime import triton_heuristics
 
 import fxlora
@@ -31,6 +32,10 @@ from fxlora.runtime import routing
 from fxlora.testing.models import fill_zero_weights
 
 ADAPTERS, BATCH = 16, 32
+CACHES = {  # Dynamo's counters of the two caches a compile of a graph may be served from
+    "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"),
+    "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
+}
 
 
 class Spies:
@@ -70,9 +75,14 @@ class Spies:
         def inner(graph, how):
             record = {"nodes": len(graph.graph.nodes), "compile_s": 0.0, "first_run_s": None}
             self.graphs.append(record)
+            before = {k: dict(counters[k]) for k in CACHES}
             start = time.perf_counter()
             compiled = compile_inner(graph, how)
             record["compile_s"] = time.perf_counter() - start
+            record["caches"] = [  # what the caches did for this compile
+                f"{k} {n - before[group].get(k, 0)}" for group, keys in CACHES.items()
+                for k, n in counters[group].items() if k in keys and n > before[group].get(k, 0)
+            ]  # fmt: skip
 
             def run(*args):
                 if record["first_run_s"] is not None:
@@ -124,7 +134,8 @@ def main() -> None:
     print("setup: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
     print("graph variants compiled (in order):")
     for g in spies.graphs:
-        print(f"  {g['nodes']:5} nodes: Inductor {g['compile_s']:6.1f} s, first run {g['first_run_s'] or 0:5.1f} s")
+        print(f"  {g['nodes']:5} nodes: Inductor {g['compile_s']:6.1f} s, first run {g['first_run_s'] or 0:5.1f} s;"
+              f" {', '.join(g['caches']) or 'no cache'}")  # fmt: skip
     by_kind: dict = collections.defaultdict(lambda: [0, 0.0])
     for key, n in spies.count.items():
         by_kind[key[:2]][0] += n

@@ -3,6 +3,11 @@ chosen here on CPU), serving the same mixed batches as the eager FX graphs, dens
 with adapters loaded after compilation; a name that is no inner compiler is refused; Inductor's
 cache key holds the ops' sources; a graph reading float8 data keeps ATen's GEMM kernels, untimed."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from peft import LoraConfig
@@ -78,6 +83,36 @@ def test_inductor_cache_key_holds_the_ops_sources(monkeypatch):
         assert compiled_once() == (1, 0)  # the same sources: served from the cache
         monkeypatch.setattr(inner, "ops_digest", lambda: b"other ops")
         assert compiled_once() == (0, 1)  # other sources: compiled again
+
+
+_TWO_VARIANTS = """
+import json, torch
+from peft import LoraConfig
+from torch._dynamo.utils import counters
+import fxlora
+from fxlora.testing import make_adapter, tiny_model
+model = tiny_model("llama", seed=4)
+a = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), 1, "")
+cm = fxlora.compile(model, adapters={"a": a}, max_loras=2, max_rank=4, inner="inductor")
+ids = torch.randint(3, 96, (2, 5))
+with torch.no_grad():
+    cm(input_ids=ids, adapter_names=["a", None])
+print(json.dumps(dict(counters["aot_autograd"])))
+"""
+
+
+def test_a_second_process_takes_both_variants_from_the_cache(tmp_path):
+    # the warm setup: nothing in either variant keeps AOTAutograd's cache from serving it in
+    # another process (a plain function's call in the graph, a set of names in the key)
+    def run(seed: str) -> dict:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", _TWO_VARIANTS], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert run("1").get("autograd_cache_saved") == 2
+    warm = run("2")
+    assert warm.get("autograd_cache_hit") == 2, warm
 
 
 def test_inductor_compiles_a_cuda_experts_op_as_its_composition():

@@ -127,14 +127,16 @@ def parameter_read(node: Any) -> list[fx.Node] | None:
 def pool_nodes(gm: fx.GraphModule, target: PoolTarget | PoolGroup) -> list[fx.Node]:
     """``get_attr`` nodes for one target's (or group's) ``lora_a, lora_b, scaling, rank``: the
     list a LoRA op takes as its ``lora`` bundle. The pool's own tensors become buffers of
-    ``gm``, so in-place adapter loads reach the graph."""
+    ``gm``, so in-place adapter loads reach the graph: persistent ones, as a set of names of
+    non-persistent buffers would enter Inductor's cache key in an order that changes from one
+    process to the next."""
     target.wired = True
     stem = "fxlora_" + re.sub(r"\W", "_", target.fqn)
     nodes = []
     for field in ("lora_a", "lora_b", "scaling", "rank"):
         name = f"{stem}_{field}"
         if not hasattr(gm, name):
-            gm.register_buffer(name, getattr(target, field), persistent=False)
+            gm.register_buffer(name, getattr(target, field))
         node = gm.graph.get_attr(name)
         nodes.append(node)
     return nodes

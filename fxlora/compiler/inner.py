@@ -30,6 +30,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import fxlora.ops
+from fxlora.compiler.arena import WORKSPACES
 
 INNER = ("eager", "inductor")
 
@@ -87,6 +88,11 @@ def config_patches(float8: bool) -> dict[str, Any]:
     configured = config.post_grad_custom_post_pass
     if configured is None or isinstance(configured, CustomGraphPass):
         patches["post_grad_custom_post_pass"] = OpsSalt(configured)
+    # the workspace calls the LoRA passes insert are plain functions, which AOTAutograd's cache
+    # refuses unless marked: keyed by the ops' sources, the graphs holding them are cached too
+    patches["unsafe_marked_cacheable_functions"] = config.unsafe_marked_cacheable_functions | {
+        f"{f.__module__}.{f.__name__}": ops_digest().hex() for f in WORKSPACES
+    }
     return patches
 
 

@@ -66,8 +66,10 @@ def with_lora_delta(
 ) -> torch.Tensor | list[torch.Tensor]:
     """``base()`` (one output, or one per slice) with the LoRA delta added in place into its
     output(s) by the Triton kernels; ``one_gemm``: whether ``base`` is one GEMM launch for all
-    slices. With ``overlap`` the shrink (which reads only ``x``) runs on a side stream beside
-    ``base``, which is issued first."""
+    slices. With ``overlap``, while a CUDA graph is captured, the shrink (which reads only
+    ``x``) runs on a side stream beside ``base``, which is issued first. Outside a capture the
+    fork and join cost the host more than the overlap saves on the GPU (an op called eagerly,
+    as in a prefill, is bound by its host time up to thousands of tokens)."""
     lora_a, lora_b, scaling, rank = weights
     x2 = x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
     slices = len(slice_widths or (None,))
@@ -77,7 +79,7 @@ def with_lora_delta(
         expand = lambda y, v: bgmv.lora_expand(y, v, lora_b, scaling, rank, info.token_slot, slice_widths)  # noqa: E731
     else:
         expand = lambda y, v: sgmv.lora_expand(y, v, lora_b, scaling, rank, *info.segments, slice_widths)  # noqa: E731
-    if overlap:  # the GEMM is issued first, the shrink forked from the point before it
+    if overlap and torch.cuda.is_current_stream_capturing():  # the GEMM first, the shrink forked from before it
         main, side = torch.cuda.current_stream(), _side_stream(x.device)
         inputs_ready = torch.cuda.Event()
         inputs_ready.record(main)
