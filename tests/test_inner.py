@@ -136,6 +136,13 @@ def test_inductor_compiles_a_cuda_experts_op_as_its_composition():
     swapped = inner.composed(gm)
     assert [n.target for n in swapped.graph.nodes if n.op == "call_function"] == [moe_lora_composed]
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [op]
+    # AOTAutograd's cache takes the copy under fxlora's config (a warm setup reuses it)
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_cacheable
+
+    with pytest.raises(BypassAOTAutogradCache, match="moe_lora_composed"):
+        check_cacheable(swapped)
+    with torch._inductor.config.patch(inner.config_patches(False)):
+        check_cacheable(swapped)
 
 
 def test_only_float8_graphs_keep_to_aten_gemms():

@@ -31,8 +31,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import fxlora.ops
 from fxlora.compiler.arena import WORKSPACES
+from fxlora.ops.moe_lora import local_routing
 
 INNER = ("eager", "inductor")
+#: the plain functions fxlora's graphs may call: the LoRA ops' workspaces, the compositions
+#: :func:`composed` swaps in, the routing of a rank's own experts
+GRAPH_FUNCTIONS = (*WORKSPACES, *fxlora.ops.COMPOSITIONS.values(), local_routing)
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +92,10 @@ def config_patches(float8: bool) -> dict[str, Any]:
     configured = config.post_grad_custom_post_pass
     if configured is None or isinstance(configured, CustomGraphPass):
         patches["post_grad_custom_post_pass"] = OpsSalt(configured)
-    # the workspace calls the LoRA passes insert are plain functions, which AOTAutograd's cache
-    # refuses unless marked: keyed by the ops' sources, the graphs holding them are cached too
+    # AOTAutograd's cache refuses a graph calling a plain function unless it is marked: keyed by
+    # the ops' sources, the graphs holding fxlora's are cached too
     patches["unsafe_marked_cacheable_functions"] = config.unsafe_marked_cacheable_functions | {
-        f"{f.__module__}.{f.__name__}": ops_digest().hex() for f in WORKSPACES
+        f"{f.__module__}.{f.__name__}": ops_digest().hex() for f in GRAPH_FUNCTIONS
     }
     return patches
 
