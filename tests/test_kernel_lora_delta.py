@@ -142,7 +142,8 @@ def test_triton_implementation_matches_the_reference(per_row, max_rank, rows, wi
     lora_delta(x, expected, joint, meta, lora_workspace(x, joint.lora_a))  # on the host: the reference
     on = lambda ts: [t.to(DEVICE) for t in ts]  # noqa: E731
     got = on(bases)
-    lora_delta_triton(x.to(DEVICE), got, on(joint), on(meta), lora_workspace(x, joint.lora_a, device=DEVICE))
+    scratch = lora_workspace(x, joint.lora_a, device=DEVICE).fill_(float("nan"))  # holding anything: NaN shows a read
+    lora_delta_triton(x.to(DEVICE), got, on(joint), on(meta), scratch)
     base_rows = meta.token_slot < 0
     for out, ref, base in zip(got, expected, bases, strict=True):
         torch.testing.assert_close(out.cpu(), ref, **TOL[dtype])

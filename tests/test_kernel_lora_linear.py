@@ -4,6 +4,8 @@ implementations (on one stream: in Triton's interpreter without CUDA) against th
 
 import contextlib
 import functools
+import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -172,7 +174,10 @@ def test_triton_implementations_match_the_references(per_row, max_rank, rows, wi
     on = lambda ts: [t.to(DEVICE) if t is not None else None for t in ts]  # noqa: E731
     x, w, b = on((x, w, b))
     f, joint, meta, weights, biases = on(f), on(joint), on(meta), on(weights), on(biases)
-    got = [lora_linear_triton(x, w, b, f, meta, lora_workspace(x, f[0]), overlap=False)]
-    got += lora_linear_fused_triton(x, weights, biases, joint, meta, overlap=False)
+    nan = lambda workspace: workspace.fill_(float("nan"))  # noqa: E731  scratch holds anything: NaN shows a read of it
+    got = [lora_linear_triton(x, w, b, f, meta, nan(lora_workspace(x, f[0])), overlap=False)]
+    module = sys.modules[lora_linear_fused_triton.__module__]  # the op's own scratch, NaN as well
+    with mock.patch.object(module, "lora_workspace", lambda *a, **k: nan(lora_workspace(*a, **k))):
+        got += lora_linear_fused_triton(x, weights, biases, joint, meta, overlap=False)
     for out, ref in zip(got, expected, strict=True):
         torch.testing.assert_close(out.cpu(), ref, **TOL[dtype])

@@ -311,8 +311,11 @@ def lora_shrink(
     config: ShrinkConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``v`` (T, num_slices * max_rank), float32, in ``out`` when given; rows of tokens
-    without an adapter are zero. Segment ``i`` reads slot ``seg_slot[i]``'s factors."""
+    """``v`` (T, num_slices * max_rank), float32; segment ``i`` reads slot ``seg_slot[i]``'s
+    factors. Without ``out`` every other entry is zero. In ``out`` (scratch holding anything)
+    the kernel writes the entries the expands read, the rows of tokens with an adapter in the
+    columns below their slice's rank, and may leave the rest as they were; a reduction split
+    over ``K`` adds into ``out`` zeroed first."""
     tokens, k = x.shape
     _, ranks, _ = lora_a.shape
     segs = min(seg_len.numel(), tokens)  # every non-empty segment lies in the first min(T, entries)
@@ -322,7 +325,7 @@ def lora_shrink(
     else:
         if out.shape != (tokens, ranks) or out.dtype != torch.float32 or not out.is_contiguous():
             raise ValueError(f"shrink workspace must be contiguous float32 {(tokens, ranks)}, got {tuple(out.shape)}")
-        v = out.zero_()
+        v = out.zero_() if cfg.split_k > 1 else out  # one piece stores what it computes
     x, lora_a = x.contiguous(), rows_contiguous(lora_a)
     block_r = _p2(min(ranks, cfg.block_r))
     grid = _grid(triton.cdiv(tokens, cfg.block_m) + segs, triton.cdiv(ranks, block_r), cfg.split_k, cfg.rows_last)
