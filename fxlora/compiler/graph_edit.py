@@ -128,7 +128,7 @@ def pool_nodes(gm: fx.GraphModule, target: PoolTarget | PoolGroup) -> list[fx.No
     """``get_attr`` nodes for one target's (or group's) ``lora_a, lora_b, scaling, rank``: the
     list a LoRA op takes as its ``lora`` bundle. The pool's own tensors become buffers of
     ``gm``, so in-place adapter loads reach the graph: persistent ones, as a set of names of
-    non-persistent buffers would enter Inductor's cache key in an order that changes from one
+    non-persistent buffers would enter AOTAutograd's cache key in an order that changes from one
     process to the next."""
     target.wired = True
     stem = "fxlora_" + re.sub(r"\W", "_", target.fqn)
