@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -176,6 +176,11 @@ def table(device: torch.device | None) -> LaunchTable:
     return TABLES[device_key(device)]
 
 
+#: lookups remembered: an op looks up its parameters on every call, from Python (a prefill runs
+#: eagerly), and the tables are constants
+LOOKUPS = 4096
+
+
 def _first(rows, shape: Shape):
     for when, config in rows:
         if when.holds(shape):
@@ -183,6 +188,7 @@ def _first(rows, shape: Shape):
     raise LookupError(f"no launch table class holds for {shape}")  # every list ends with When()
 
 
+@lru_cache(maxsize=LOOKUPS)
 def shrink_config(
     tokens: int, k: int, ranks: int, gemm_slices: int = 1, device: torch.device | None = None
 ) -> ShrinkConfig:
@@ -193,6 +199,7 @@ def shrink_config(
     return replace(config, split_k=max(1, min(config.split_k, k // config.block_k)))
 
 
+@lru_cache(maxsize=LOOKUPS)
 def expand_config(
     tokens: int, rank: int, segments: int = 1, slices: int = 1, device: torch.device | None = None
 ) -> ExpandConfig:
@@ -201,6 +208,7 @@ def expand_config(
     return _first(table(device).expand, Shape(tokens, ranks=rank, slices=slices, segments=segments))
 
 
+@lru_cache(maxsize=LOOKUPS)
 def token_expand_serves(tokens: int, max_rank: int, device: torch.device | None = None) -> bool:
     """Whether the per-token (BGMV) expand serves ``tokens`` rows at ``max_rank``, rather than
     the segmented one."""
@@ -208,5 +216,6 @@ def token_expand_serves(tokens: int, max_rank: int, device: torch.device | None 
     return any(when.holds(shape) for when in table(device).token_expand_serves)
 
 
+@lru_cache(maxsize=LOOKUPS)
 def token_expand_config(tokens: int, device: torch.device | None = None) -> TokenExpandConfig:
     return _first(table(device).token_expand, Shape(tokens))
