@@ -7,6 +7,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fxlora.ops.triton import launch_table
 
@@ -223,3 +225,10 @@ def test_every_list_ends_with_a_class_for_any_shape():
 def test_other_devices_take_the_default_table():
     assert launch_table.device_key(None) == "default"
     assert launch_table.device_key(torch.device("cpu")) == "default"
+
+
+@given(a=st.integers(0, 2**40), b=st.integers(1, 2**20), n=st.integers(1, 2**40))
+def test_host_arithmetic_agrees_with_tritons(a, b, n):
+    triton = pytest.importorskip("triton")
+    assert launch_table.cdiv(a, b) == triton.cdiv(a, b)
+    assert launch_table.next_power_of_2(n) == triton.next_power_of_2(n)

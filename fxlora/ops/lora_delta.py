@@ -79,7 +79,7 @@ def with_lora_delta(
         expand = lambda y, v: bgmv.lora_expand(y, v, lora_b, scaling, rank, info.token_slot, slice_widths)  # noqa: E731
     else:
         expand = lambda y, v: sgmv.lora_expand(y, v, lora_b, scaling, rank, *info.segments, slice_widths)  # noqa: E731
-    if overlap and torch.cuda.is_current_stream_capturing():  # the GEMM first, the shrink forked from before it
+    if overlap and x.is_cuda and torch.cuda.is_current_stream_capturing():  # the GEMM first, the shrink forked
         main, side = torch.cuda.current_stream(), _side_stream(x.device)
         inputs_ready = torch.cuda.Event()
         inputs_ready.record(main)

@@ -106,11 +106,11 @@ def lora_expand(
     _, _, max_rank = lora_b.shape
     cfg = config or expand_config(tokens, y.device)
     lora_b = rows_contiguous(lora_b)
-    grid = (tokens, triton.cdiv(max(widths), cfg.block_n), len(widths))
+    grid = (tokens, launch_table.cdiv(max(widths), cfg.block_n), len(widths))
     _expand_kernel[grid](
         y, v, lora_b, scaling, rank, slice_starts(tuple(widths), y.device), token_slot,
         *y_offsets, *y_strides, v.stride(0), lora_b.stride(0), lora_b.stride(1),
-        MAX_RANK=max_rank, NUM_SLICES=len(widths), BLOCK_N=cfg.block_n, BLOCK_R=triton.next_power_of_2(max_rank),
+        MAX_RANK=max_rank, NUM_SLICES=len(widths), BLOCK_N=cfg.block_n, BLOCK_R=launch_table.next_power_of_2(max_rank),
         ALIGN=column_align(tuple(widths)),
         num_warps=cfg.num_warps, **pdl_options(y.device),
     )

@@ -176,6 +176,17 @@ def table(device: torch.device | None) -> LaunchTable:
     return TABLES[device_key(device)]
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)``, for the launchers' arithmetic on the host: Triton's own ``cdiv`` and
+    ``next_power_of_2`` are constexpr functions, which cost microseconds a call from Python."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``); see :func:`cdiv`."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 #: lookups remembered: an op looks up its parameters on every call, from Python (a prefill runs
 #: eagerly), and the tables are constants
 LOOKUPS = 4096

@@ -49,7 +49,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from fxlora.ops.triton.launch_table import ExpandConfig, ShrinkConfig, expand_config, shrink_config
+from fxlora.ops.triton.launch_table import (
+    ExpandConfig,
+    ShrinkConfig,
+    cdiv,
+    expand_config,
+    next_power_of_2,
+    shrink_config,
+)
 
 
 @triton.jit
@@ -289,7 +296,7 @@ def rows_contiguous(factors: torch.Tensor) -> torch.Tensor:
 
 
 def _p2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
+    return max(floor, next_power_of_2(n))
 
 
 def _grid(rows: int, second: int, third: int, rows_last: bool) -> tuple[int, int, int]:
@@ -328,7 +335,7 @@ def lora_shrink(
         v = out.zero_() if cfg.split_k > 1 else out  # one piece stores what it computes
     x, lora_a = x.contiguous(), rows_contiguous(lora_a)
     block_r = _p2(min(ranks, cfg.block_r))
-    grid = _grid(triton.cdiv(tokens, cfg.block_m) + segs, triton.cdiv(ranks, block_r), cfg.split_k, cfg.rows_last)
+    grid = _grid(cdiv(tokens, cfg.block_m) + segs, cdiv(ranks, block_r), cfg.split_k, cfg.rows_last)
     _shrink_kernel[grid](
         x, lora_a, v, rank, sorted_tokens, seg_start, seg_len, seg_slot,
         segs, k, ranks,
@@ -360,7 +367,7 @@ def lora_expand(
     segs = min(seg_len.numel(), tokens)
     cfg = config or expand_config(tokens, max_rank, segs, len(widths), device=y.device)
     lora_b = rows_contiguous(lora_b)
-    grid = _grid(triton.cdiv(tokens, cfg.block_m) + segs, triton.cdiv(max(widths), cfg.block_n * cfg.tiles), len(widths), cfg.rows_last)
+    grid = _grid(cdiv(tokens, cfg.block_m) + segs, cdiv(max(widths), cfg.block_n * cfg.tiles), len(widths), cfg.rows_last)
     _expand_kernel[grid](
         y, v, lora_b, scaling, rank, slice_starts(tuple(widths), y.device),
         sorted_tokens, seg_start, seg_len, seg_slot,
