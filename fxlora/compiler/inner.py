@@ -18,6 +18,7 @@ pass that changes nothing, puts a hash of the ops' sources into the key.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from collections.abc import Callable
 from functools import cache
@@ -92,12 +93,24 @@ def config_patches(float8: bool) -> dict[str, Any]:
     configured = config.post_grad_custom_post_pass
     if configured is None or isinstance(configured, CustomGraphPass):
         patches["post_grad_custom_post_pass"] = OpsSalt(configured)
-    # AOTAutograd's cache refuses a graph calling a plain function unless it is marked: keyed by
-    # the ops' sources, the graphs holding fxlora's are cached too
+    # AOTAutograd's cache refuses a graph calling a plain function unless it is marked, and keys
+    # a marked call by the value given: the ops' sources and the versions of the libraries the
+    # functions trace into (transformers' activations, torchao's tensor subclasses)
     patches["unsafe_marked_cacheable_functions"] = config.unsafe_marked_cacheable_functions | {
-        f"{f.__module__}.{f.__name__}": ops_digest().hex() for f in GRAPH_FUNCTIONS
+        f"{f.__module__}.{f.__name__}": _functions_key() for f in GRAPH_FUNCTIONS
     }
     return patches
+
+
+@cache
+def _functions_key() -> str:
+    versions = []
+    for package in ("transformers", "torchao"):
+        try:
+            versions.append(f"{package}={importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{package}=none")
+    return " ".join([ops_digest().hex(), *versions])
 
 
 @cache

@@ -87,8 +87,7 @@ def with_lora_delta(
         side.wait_event(inputs_ready)
         with torch.cuda.stream(side):
             v = shrink()
-        main.wait_stream(side)
-        v.record_stream(main)
+        main.wait_stream(side)  # everything after, on main, follows the shrink
     else:
         v = shrink()
         y = base()

@@ -65,10 +65,11 @@ def lora_linear_triton(
 ) -> torch.Tensor:
     """The CUDA implementation: the SGMV kernels of :mod:`fxlora.ops.triton.sgmv`, with the
     per-token expand of :mod:`fxlora.ops.triton.bgmv` for few tokens (``bgmv.serves``). With
-    ``overlap`` the shrink (which reads only ``x``) runs on a side stream beside the base GEMM;
-    under CUDA-graph capture the fork and join become parallel branches of the graph, so the
-    shrink's time hides behind the GEMM. ``slice_widths``: several output slices sharing one
-    input, each with its own factors (the kernels' multi-slice layout)."""
+    ``overlap``, while a CUDA graph is captured, the shrink (which reads only ``x``) runs on a
+    side stream beside the base GEMM: the fork and join become parallel branches of the graph,
+    so the shrink's time hides behind the GEMM (called eagerly the op stays on one stream, see
+    :func:`with_lora_delta`). ``slice_widths``: several output slices sharing one input, each
+    with its own factors (the kernels' multi-slice layout)."""
     base = lambda: _linear(x, weight, bias)  # noqa: E731
     weights, info = LoraWeights(*lora), BatchInfo(*batch)
     return with_lora_delta(x, base, weights, info, workspace, overlap, slice_widths, one_gemm=True)

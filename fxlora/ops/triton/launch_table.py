@@ -172,10 +172,6 @@ def device_key(device: torch.device | None) -> str:
     return key if key in TABLES else "default"
 
 
-def table(device: torch.device | None) -> LaunchTable:
-    return TABLES[device_key(device)]
-
-
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)``, for the launchers' arithmetic on the host: Triton's own ``cdiv`` and
     ``next_power_of_2`` are constexpr functions, which cost microseconds a call from Python."""
@@ -187,8 +183,8 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-#: lookups remembered: an op looks up its parameters on every call, from Python (a prefill runs
-#: eagerly), and the tables are constants
+#: lookups remembered, per table key: an op looks up its parameters on every call, from Python
+#: (a prefill runs eagerly), and the tables are constants
 LOOKUPS = 4096
 
 
@@ -199,34 +195,53 @@ def _first(rows, shape: Shape):
     raise LookupError(f"no launch table class holds for {shape}")  # every list ends with When()
 
 
-@lru_cache(maxsize=LOOKUPS)
 def shrink_config(
     tokens: int, k: int, ranks: int, gemm_slices: int = 1, device: torch.device | None = None
 ) -> ShrinkConfig:
     """The SGMV shrink's parameters for ``tokens`` rows of ``k`` features and ``ranks`` rank
     rows (every slice's); ``gemm_slices``: how many output slices the base GEMM beside the
     shrink writes in one launch (a fused ``qkv_proj``: 3; separate q, k and v GEMMs: 1)."""
-    config = _first(table(device).shrink, Shape(tokens, k, ranks, gemm_slices))
-    return replace(config, split_k=max(1, min(config.split_k, k // config.block_k)))
+    return _shrink_config(device_key(device), tokens, k, ranks, gemm_slices)
 
 
-@lru_cache(maxsize=LOOKUPS)
 def expand_config(
     tokens: int, rank: int, segments: int = 1, slices: int = 1, device: torch.device | None = None
 ) -> ExpandConfig:
     """The SGMV expand's parameters for ``tokens`` rows, max rank ``rank``, ``segments``
     entries in the segment list and ``slices`` output slices."""
-    return _first(table(device).expand, Shape(tokens, ranks=rank, slices=slices, segments=segments))
+    return _expand_config(device_key(device), tokens, rank, segments, slices)
 
 
-@lru_cache(maxsize=LOOKUPS)
 def token_expand_serves(tokens: int, max_rank: int, device: torch.device | None = None) -> bool:
     """Whether the per-token (BGMV) expand serves ``tokens`` rows at ``max_rank``, rather than
     the segmented one."""
-    shape = Shape(tokens, ranks=max_rank)
-    return any(when.holds(shape) for when in table(device).token_expand_serves)
+    return _token_expand_serves(device_key(device), tokens, max_rank)
+
+
+def token_expand_config(tokens: int, device: torch.device | None = None) -> TokenExpandConfig:
+    return _token_expand_config(device_key(device), tokens)
+
+
+# the lookups, remembered per table key
 
 
 @lru_cache(maxsize=LOOKUPS)
-def token_expand_config(tokens: int, device: torch.device | None = None) -> TokenExpandConfig:
-    return _first(table(device).token_expand, Shape(tokens))
+def _shrink_config(key: str, tokens: int, k: int, ranks: int, gemm_slices: int) -> ShrinkConfig:
+    config = _first(TABLES[key].shrink, Shape(tokens, k, ranks, gemm_slices))
+    return replace(config, split_k=max(1, min(config.split_k, k // config.block_k)))
+
+
+@lru_cache(maxsize=LOOKUPS)
+def _expand_config(key: str, tokens: int, rank: int, segments: int, slices: int) -> ExpandConfig:
+    return _first(TABLES[key].expand, Shape(tokens, ranks=rank, slices=slices, segments=segments))
+
+
+@lru_cache(maxsize=LOOKUPS)
+def _token_expand_serves(key: str, tokens: int, max_rank: int) -> bool:
+    shape = Shape(tokens, ranks=max_rank)
+    return any(when.holds(shape) for when in TABLES[key].token_expand_serves)
+
+
+@lru_cache(maxsize=LOOKUPS)
+def _token_expand_config(key: str, tokens: int) -> TokenExpandConfig:
+    return _first(TABLES[key].token_expand, Shape(tokens))

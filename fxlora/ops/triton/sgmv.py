@@ -24,8 +24,8 @@ pool as ``slots · experts`` adapters): the first ``min(T, entries)`` of the lis
 
 The expands move ``y`` and ``B`` in 16-byte pieces: the slices' widths tell the kernel how
 far their columns are aligned (:func:`column_align`), and a slot reads ``B``'s rank columns up
-to the next multiple of 8. Those past its rank meet zeros of ``v`` and must be finite (the
-pool keeps them zero).
+to the next multiple of 8. Those past its rank meet zeros (the loads of ``v`` stop at the
+rank) and must be finite (the pool keeps them zero).
 
 On Hopper and later the expand is launched as a programmatic dependent (PDL) of the kernel
 before it, so its launch overlaps that kernel's tail; it waits for it (``gdc_wait``) before
