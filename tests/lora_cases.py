@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from fxlora.ops import LoraWeights
 from fxlora.ops.batch_info import fast_token_segments, token_segments
-from fxlora.ops.lora_delta import sliced_delta_reference
+from fxlora.ops.lora_delta import lora_workspace, sliced_delta_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -120,6 +120,11 @@ class Case:
             return self.parts
         return self.y
 
+    def workspace(self, data) -> torch.Tensor | None:
+        """The shrink's ``out`` as drawn: none (the shrink allocates zeros), or scratch as a
+        graph hands it over (:func:`nan_workspace`)."""
+        return nan_workspace(self.x, self.a) if data.draw(st.booleans(), label="workspace") else None
+
     def check(self) -> None:
         """``y`` holds the reference result; rows without an adapter are untouched."""
         if self.parts is not None:
@@ -127,6 +132,13 @@ class Case:
         torch.testing.assert_close(self.y.cpu().float(), self.expected.float(), **TOL[self.dtype])
         untouched = (self.token_slot.cpu() < 0).tolist()
         assert torch.equal(self.y.cpu()[untouched], self.y_host[untouched])
+
+
+def nan_workspace(*args, **kwargs) -> torch.Tensor:
+    """:func:`lora_workspace` holding anything, as a graph's scratch may: NaN, so that an
+    expand reading an entry the shrink did not write (or a split reduction adding into it)
+    shows in its output."""
+    return lora_workspace(*args, **kwargs).fill_(float("nan"))
 
 
 def draw_case(data, slots: tuple[int, int] = (1, 4), tokens: tuple[int, int] = (1, 67)) -> Case:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from lora_cases import DEVICE, TOL, make_case, multi_slice, per_token
+from lora_cases import DEVICE, TOL, make_case, multi_slice, nan_workspace, per_token
 
 from fxlora.ops import BatchInfo, LoraWeights, batch_info, lora_delta
 from fxlora.ops.lora_delta import lora_workspace
@@ -142,8 +142,7 @@ def test_triton_implementation_matches_the_reference(per_row, max_rank, rows, wi
     lora_delta(x, expected, joint, meta, lora_workspace(x, joint.lora_a))  # on the host: the reference
     on = lambda ts: [t.to(DEVICE) for t in ts]  # noqa: E731
     got = on(bases)
-    scratch = lora_workspace(x, joint.lora_a, device=DEVICE).fill_(float("nan"))  # holding anything: NaN shows a read
-    lora_delta_triton(x.to(DEVICE), got, on(joint), on(meta), scratch)
+    lora_delta_triton(x.to(DEVICE), got, on(joint), on(meta), nan_workspace(x, joint.lora_a, device=DEVICE))
     base_rows = meta.token_slot < 0
     for out, ref, base in zip(got, expected, bases, strict=True):
         torch.testing.assert_close(out.cpu(), ref, **TOL[dtype])

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from lora_cases import DEVICE, TOL, make_case, multi_slice, per_token
+from lora_cases import DEVICE, TOL, make_case, multi_slice, nan_workspace, per_token
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxlora.ops import BatchInfo, LoraWeights, batch_info, lora_linear, lora_linear_fused
@@ -174,10 +174,9 @@ def test_triton_implementations_match_the_references(per_row, max_rank, rows, wi
     on = lambda ts: [t.to(DEVICE) if t is not None else None for t in ts]  # noqa: E731
     x, w, b = on((x, w, b))
     f, joint, meta, weights, biases = on(f), on(joint), on(meta), on(weights), on(biases)
-    nan = lambda workspace: workspace.fill_(float("nan"))  # noqa: E731  scratch holds anything: NaN shows a read of it
-    got = [lora_linear_triton(x, w, b, f, meta, nan(lora_workspace(x, f[0])), overlap=False)]
+    got = [lora_linear_triton(x, w, b, f, meta, nan_workspace(x, f[0]), overlap=False)]
     module = sys.modules[lora_linear_fused_triton.__module__]  # the op's own scratch, NaN as well
-    with mock.patch.object(module, "lora_workspace", lambda *a, **k: nan(lora_workspace(*a, **k))):
+    with mock.patch.object(module, "lora_workspace", nan_workspace):
         got += lora_linear_fused_triton(x, weights, biases, joint, meta, overlap=False)
     for out, ref in zip(got, expected, strict=True):
         torch.testing.assert_close(out.cpu(), ref, **TOL[dtype])

@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lora_cases import nan_workspace
 
 from fxlora.ops import batch_info
-from fxlora.ops.lora_delta import lora_workspace
 from fxlora.ops.moe_lora import GATES, moe_lora, moe_lora_composed
 
 pytest.importorskip("fxlora.ops.triton.sgmv")
@@ -54,10 +54,8 @@ def run(fn, case, slot_ids, slots, gate, transposed, lora_on):
     device_case = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (x, index, weights, up, up_b, down, down_b)]
     lora = [[t.to(DEVICE) for t in factors] if on else [] for on, factors in zip(lora_on, (up_lora, down_lora))]
     token_slot = batch_info(slot_ids.to(DEVICE), device_case[0], 1, slots)[0]
-    # the shrink's scratch holding anything, as a graph hands it over: NaN shows a read of it
-    module = sys.modules[moe_lora_composed.__module__]
-    nan = lambda *a, **k: lora_workspace(*a, **k).fill_(float("nan"))  # noqa: E731
-    with mock.patch.object(module, "lora_workspace", nan):
+    module = sys.modules[moe_lora_composed.__module__]  # the shrink's scratch as a graph may hand it over
+    with mock.patch.object(module, "lora_workspace", nan_workspace):
         return fn(*device_case, *lora, token_slot, transposed, gate, "silu", 1.702, 7.0)
 
 
