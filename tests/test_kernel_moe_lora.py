@@ -24,6 +24,16 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float16: dict(rtol=2e-2,
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Within the dtype's tolerance; in half precision the absolute part scales with the
+    output's largest entry, since the composition rounds its intermediates (a rank-1 delta
+    of scale 1.5 reaches ~30) and a small entry inherits the rounding of large terms."""
+    tol = dict(TOL[dtype])
+    if dtype != torch.float32:
+        tol["atol"] *= max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got.float().cpu(), want.float(), **tol)
+
+
 def make_case(gen, tokens, top_k, experts, hidden, inter, slots, max_rank, ranks, gate, transposed, bias, dtype):
     up_out = inter if gate == "act" else 2 * inter
 
@@ -87,7 +97,7 @@ def test_composition_matches_reference(tokens, experts, hidden, inter, slots, ma
     case = make_case(gen, tokens, top_k, experts, hidden, inter, slots, max_rank, ranks, gate, transposed, bias, dtype)
     got = run(moe_lora_composed, case, slot_ids, slots, gate, transposed, lora_on)
     want = _reference(case, slot_ids, slots, gate, transposed, lora_on)
-    torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[dtype])
+    assert_close(got, want, dtype)
 
 
 def _reference(case, slot_ids, slots, gate, transposed, lora_on):
@@ -113,7 +123,7 @@ def test_long_pair_lists_match_reference(mix):
     case = make_case(gen, tokens, top_k, experts, 16, 8, slots, 4, [[4, 2, 0, 3], [1, 4, 4, 2]], "glu", False, False, dtype)
     got = run(moe_lora_composed, case, slot_ids, slots, "glu", False, (True, True))
     want = _reference(case, slot_ids, slots, "glu", False, (True, True))
-    torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[dtype])
+    assert_close(got, want, dtype)
 
 
 def test_absent_projection_is_an_empty_bundle():
@@ -152,7 +162,7 @@ def test_quantised_weights_compute_through_their_subclass():
     want = _reference(dequantized, slot_ids, slots, "glu", False, (True, True))
     for fn in (moe_lora, moe_lora_composed):
         got = run(fn, quantized, slot_ids, slots, "glu", False, (True, True))
-        torch.testing.assert_close(got.float().cpu(), want, **TOL[torch.float32])
+        assert_close(got, want, torch.float32)
 
 
 def test_composition_without_any_lora():
@@ -163,7 +173,7 @@ def test_composition_without_any_lora():
     slot_ids = torch.full((6,), -1, dtype=torch.int32)
     got = run(moe_lora_composed, case, slot_ids, 2, "glu", False, (False, False))
     want = _reference(case, slot_ids, 2, "glu", False, (False, False))
-    torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[torch.float32])
+    assert_close(got, want, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -178,4 +188,4 @@ def test_composition_compiles_under_inductor(dtype):
     compiled = torch.compile(moe_lora_composed, backend="inductor", fullgraph=True)
     got = run(compiled, case, slot_ids, slots, "glu", False, (True, True))
     want = _reference(case, slot_ids, slots, "glu", False, (True, True))
-    torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[dtype])
+    assert_close(got, want, dtype)
