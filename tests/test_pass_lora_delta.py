@@ -13,6 +13,7 @@ from fxlora.compiler.annotate import ModuleTree
 from fxlora.testing import check_rows, make_adapter, peft_model_with
 
 LORA_DELTA = torch.ops.fxlora.lora_delta.default
+LORA_SHRINK = torch.ops.fxlora.lora_shrink.default
 LORA_LINEAR = torch.ops.fxlora.lora_linear.default
 LORA_LINEAR_FUSED = torch.ops.fxlora.lora_linear_fused.default
 
@@ -55,8 +56,9 @@ class Twice(torch.nn.Module):
         return self.a(self.a(h))
 
 
-def compile_toy(model, adapters, h):
-    """The pipeline's variants for ``model`` traced by Dynamo on ``h``, its context and inputs."""
+def compile_toy(model, adapters, h, shrink_ahead=False):
+    """The pipeline's variants for ``model`` traced by Dynamo on ``h``, its context and inputs
+    (``shrink_ahead`` as the backend sets it for graphs run on CUDA)."""
     pool = AdapterPool(max_loras=3, max_rank=4)
     for name, adapter in adapters.items():
         pool.load(read_adapter(name, adapter))
@@ -64,7 +66,7 @@ def compile_toy(model, adapters, h):
     captured = {}
 
     def backend(gm, example_inputs):
-        ctx = PassContext(pool, inputs=list(example_inputs), modules=ModuleTree(model))
+        ctx = PassContext(pool, inputs=list(example_inputs), modules=ModuleTree(model), shrink_ahead=shrink_ahead)
         captured.update(variants=run_pipeline(gm, ctx), ctx=ctx, inputs=list(example_inputs))
         return captured["variants"].nolora
 
@@ -117,6 +119,29 @@ def test_matmul_linears_get_the_delta_joined_on_their_shared_input():
     check_against_peft(model, adapters, variants, inputs, pool, h)
 
 
+def test_the_shrink_goes_before_the_base_for_code_run_on_cuda():
+    """With ``shrink_ahead`` each delta's shrink is fxlora::lora_shrink right before the first
+    node of its regions (under a CUDA graph it runs beside them), into the workspace the delta
+    after them reads; the result is PEFT's, and is what Inductor compiles."""
+    torch.manual_seed(0)
+    model = Block().eval()
+    h = torch.randn(3, 5, 8)
+    adapters = adapters_for(model, ["a", "b", "c"])
+    variants, ctx, inputs, pool = compile_toy(model, adapters, h, shrink_ahead=True)
+    nodes = list(variants.lora.graph.nodes)
+    (shrink,), (delta,) = [n for n in nodes if n.target is LORA_SHRINK], [n for n in nodes if n.target is LORA_DELTA]
+    assert shrink.args[-1] == 2 and delta.args[-1] is True  # a and b: two slices; the delta only expands
+    assert delta.args[0] is shrink.args[0] and delta.args[2:5] == shrink.args[1:4]  # same input, factors, scratch
+    regions = [i for i, n in enumerate(nodes) if n.meta.get("fxlora_module") in ("a", "b") and n.target is not LORA_SHRINK]
+    assert nodes.index(shrink) < min(regions) and nodes.index(delta) > max(regions)
+    assert "lora_delta: each shrink issued before its traced base (fxlora::lora_shrink)" in ctx.report
+    check_against_peft(model, adapters, variants, inputs, pool, h)
+    torch._dynamo.reset()
+    compiled = torch.compile(variants.lora, backend="inductor")
+    slots = torch.tensor(pool.slot_ids(["one", None, "two"]), dtype=torch.int32)
+    torch.testing.assert_close(compiled(*inputs, slots)[0], variants.lora(*inputs, slots)[0], rtol=1e-5, atol=1e-6)
+
+
 def test_the_rewritten_graph_compiles_with_inductor():
     """Inductor, the inner compiler to come, functionalizes the in-place op soundly."""
     torch.manual_seed(0)
@@ -153,8 +178,9 @@ def test_a_module_called_twice_gets_the_delta_on_each_call():
     check_against_peft(model, adapters, variants, inputs, pool, h)
 
 
+@pytest.mark.parametrize("shrink_ahead", [False, True], ids=["one_op", "shrink_ahead"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_torchao_weights_are_left_to_lora_delta(quantization):
+def test_torchao_weights_are_left_to_lora_delta(quantization, shrink_ahead):
     """fuse and lora_linear would hand the quantised weight to F.linear inside their op; the
     traced F.linear of the quantised weight stays, and the delta goes onto it."""
     pytest.importorskip("torchao")
@@ -168,7 +194,8 @@ def test_torchao_weights_are_left_to_lora_delta(quantization):
     quantize_(model, config, filter_fn=lambda m, fqn: fqn in ("a", "b"))
     assert type(model.a.weight).__module__.startswith("torchao")
     h = torch.randn(3, 5, 32)
-    variants, ctx, inputs, pool = compile_toy(model, adapters, h)
+    variants, ctx, inputs, pool = compile_toy(model, adapters, h, shrink_ahead)
     assert count(variants.lora, LORA_DELTA) == 1 and count(variants.lora, LORA_LINEAR_FUSED) == 0
+    assert count(variants.lora, LORA_SHRINK) == shrink_ahead
     assert ctx.rewritten == {"a": "fxlora::lora_delta", "b": "fxlora::lora_delta", "c": "fxlora::lora_linear"}
     check_against_peft(model, adapters, variants, inputs, pool, h)

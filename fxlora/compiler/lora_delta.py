@@ -10,6 +10,9 @@ attributed to it or its submodules. Their region must have one output, of shape
 ``(..., out_features)``, and read one input of shape ``(..., in_features)`` with the output's
 leading shape (parameters, recognised by identity with the model's, are not inputs). The op
 goes right after the output and adds in place, so every user of the output reads the sum.
+For code run on CUDA (``PassContext.shrink_ahead``) the op's shrink, which reads only the
+input, becomes ``fxlora::lora_shrink`` right before the region, so that under a CUDA graph it
+runs beside the base, and the op after the region only expands.
 
 A module called more than once gets one op per call. Targets whose regions read the same input (a quantised model's q, k and v; Falcon's
 ``query_key_value`` and ``dense_h_to_4h``) are joined in the pool (:meth:`AdapterPool.join`)
@@ -93,6 +96,8 @@ def lora_delta(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if groups:
         kinds = sorted({" + ".join(f.rpartition(".")[2] for f in g) for g in groups})
         ctx.note(f"lora_delta: LoRA delta onto the traced base of {sum(map(len, groups))} module(s): {'; '.join(kinds)}")
+        if ctx.shrink_ahead:
+            ctx.note("lora_delta: each shrink issued before its traced base (fxlora::lora_shrink)")
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -205,14 +210,27 @@ def _move_up(gm: fx.GraphModule, regions: list[Region]) -> None:
 def _insert(
     gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions: list[Region], factors: PoolTarget | PoolGroup
 ) -> None:
-    """``lora_delta(x, [outputs], ...)`` right after the last region's output."""
+    """``lora_delta(x, [outputs], ...)`` right after the last region's output; with
+    ``ctx.shrink_ahead``, its shrink (``lora_shrink``) right before the first region's
+    first node, and the op only expands."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     last = max((r.output for r in regions), key=order.__getitem__)
-    with gm.graph.inserting_before(last.next):
-        args = (x, [r.output for r in regions], *lora_operands(gm, ctx, x, factors, rows))
-        op = gm.graph.call_function(torch.ops.fxlora.lora_delta.default, args)
+    outputs = [r.output for r in regions]
+    if ctx.shrink_ahead:
+        first = min((n for r in regions for n in r.nodes), key=order.__getitem__)
+        with gm.graph.inserting_before(first):
+            operands = lora_operands(gm, ctx, x, factors, rows)
+            shrink = gm.graph.call_function(torch.ops.fxlora.lora_shrink.default, (x, *operands, len(regions)))
+        with gm.graph.inserting_before(last.next):
+            op = gm.graph.call_function(torch.ops.fxlora.lora_delta.default, (x, outputs, *operands, True))
+        marked = [shrink, op]
+    else:
+        with gm.graph.inserting_before(last.next):
+            op = gm.graph.call_function(torch.ops.fxlora.lora_delta.default, (x, outputs, *lora_operands(gm, ctx, x, factors, rows)))
+        marked = [op]
     fqns = [r.target.fqn for r in regions]
-    op.meta["fxlora_module"] = fqns[0] if len(fqns) == 1 else os.path.commonprefix([f + "." for f in fqns]).rpartition(".")[0]
-    op.meta["example_value"] = None
+    for node in marked:
+        node.meta["fxlora_module"] = fqns[0] if len(fqns) == 1 else os.path.commonprefix([f + "." for f in fqns]).rpartition(".")[0]
+        node.meta["example_value"] = None
     for fqn in fqns:
         ctx.rewritten[fqn] = OP

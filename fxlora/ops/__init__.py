@@ -18,6 +18,7 @@ from fxlora.ops.grouped_mm import grouped_mm
 from fxlora.ops.lora_delta import lora_delta
 from fxlora.ops.lora_embedding import lora_embedding
 from fxlora.ops.lora_linear import lora_linear, lora_linear_fused
+from fxlora.ops.lora_shrink import lora_shrink
 from fxlora.ops.moe_lora import COMPOSITIONS, moe_lora
 from fxlora.ops.operands import BatchInfo, LoraWeights
 
@@ -32,5 +33,6 @@ __all__ = [
     "lora_embedding",
     "lora_linear",
     "lora_linear_fused",
+    "lora_shrink",
     "moe_lora",
 ]

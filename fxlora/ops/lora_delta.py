@@ -14,7 +14,8 @@ launches the Triton SGMV / BGMV kernels around a base computation on CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -70,30 +71,74 @@ def with_lora_delta(
     ``x``) runs on a side stream beside ``base``, which is issued first. Outside a capture the
     fork and join cost the host more than the overlap saves on the GPU (an op called eagerly,
     as in a prefill, is bound by its host time up to thousands of tokens)."""
-    lora_a, lora_b, scaling, rank = weights
-    x2 = x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
+    x2 = kernel_rows(x, weights)
     slices = len(slice_widths or (None,))
-    config = sgmv.shrink_config(x2.shape[0], x2.shape[1], lora_a.shape[1], slices if one_gemm else 1, x.device)
-    shrink = lambda: sgmv.lora_shrink(x2, lora_a, rank, *info.segments, slices, config, out=workspace)  # noqa: E731
-    if bgmv.serves(x2.shape[0], lora_b.shape[-1], x.device):
-        expand = lambda y, v: bgmv.lora_expand(y, v, lora_b, scaling, rank, info.token_slot, slice_widths)  # noqa: E731
-    else:
-        expand = lambda y, v: sgmv.lora_expand(y, v, lora_b, scaling, rank, *info.segments, slice_widths)  # noqa: E731
-    if overlap and x.is_cuda and torch.cuda.is_current_stream_capturing():  # the GEMM first, the shrink forked
-        main, side = torch.cuda.current_stream(), _side_stream(x.device)
-        inputs_ready = torch.cuda.Event()
-        inputs_ready.record(main)
+    shrink = lambda: shrink_into(workspace, x2, weights, info, slices, slices if one_gemm else 1)  # noqa: E731
+    if overlap and capturing(x):  # the GEMM first, the shrink forked
+        inputs_ready = fork()
         y = base()
-        side.wait_event(inputs_ready)
-        with torch.cuda.stream(side):
+        with on_side_stream(x.device, inputs_ready):
             v = shrink()
-        main.wait_stream(side)  # everything after, on main, follows the shrink
+        join(x.device)  # everything after, on main, follows the shrink
     else:
         v = shrink()
         y = base()
     rows = lambda t: t.view(-1, t.shape[-1])  # noqa: E731
-    expand(rows(y) if isinstance(y, torch.Tensor) else [rows(t) for t in y], v)
+    expand_onto(rows(y) if isinstance(y, torch.Tensor) else [rows(t) for t in y], v, weights, info, slice_widths)
     return y
+
+
+def kernel_rows(x: torch.Tensor, weights: LoraWeights) -> torch.Tensor:
+    """``x`` as the shrink reads it: ``(T, in)`` rows in the factors' dtype."""
+    return x.reshape(-1, x.shape[-1]).to(weights.lora_a.dtype)
+
+
+def shrink_into(
+    workspace: torch.Tensor, x2: torch.Tensor, weights: LoraWeights, info: BatchInfo, slices: int, gemm_slices: int
+) -> torch.Tensor:
+    """The SGMV shrink of rows ``x2`` into ``workspace``; ``gemm_slices`` as
+    :func:`fxlora.ops.triton.launch_table.shrink_config` takes it."""
+    config = sgmv.shrink_config(x2.shape[0], x2.shape[1], weights.lora_a.shape[1], gemm_slices, x2.device)
+    return sgmv.lora_shrink(x2, weights.lora_a, weights.rank, *info.segments, slices, config, out=workspace)
+
+
+def expand_onto(
+    ys: torch.Tensor | list[torch.Tensor], v: torch.Tensor, weights: LoraWeights, info: BatchInfo, slice_widths: tuple[int, ...] | None
+) -> None:
+    """The expand of the shrink's result ``v`` onto rows ``ys``: per token (BGMV) for a
+    handful of tokens, else by segments (SGMV)."""
+    _, lora_b, scaling, rank = weights
+    if bgmv.serves(v.shape[0], lora_b.shape[-1], v.device):
+        bgmv.lora_expand(ys, v, lora_b, scaling, rank, info.token_slot, slice_widths)
+    else:
+        sgmv.lora_expand(ys, v, lora_b, scaling, rank, *info.segments, slice_widths)
+
+
+def capturing(x: torch.Tensor) -> bool:
+    """Whether ``x``'s kernels are being captured into a CUDA graph (where a fork onto the
+    side stream becomes a parallel branch of the graph)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def fork() -> torch.cuda.Event:
+    """An event on the current stream that the side stream's next work waits for."""
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream())
+    return ready
+
+
+@contextlib.contextmanager
+def on_side_stream(device: torch.device, ready: torch.cuda.Event) -> Iterator[None]:
+    """Issue the block's kernels on ``device``'s side stream, after ``ready``."""
+    side = _side_stream(device)
+    side.wait_event(ready)
+    with torch.cuda.stream(side):
+        yield
+
+
+def join(device: torch.device) -> None:
+    """The current stream's later work follows everything issued to the side stream."""
+    torch.cuda.current_stream(device).wait_stream(_side_stream(device))
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -112,12 +157,15 @@ def lora_delta(
     lora: list[torch.Tensor],
     batch: list[torch.Tensor],
     workspace: torch.Tensor,
+    shrunk: bool = False,
 ) -> None:
     """Add the delta of ``x`` (``(..., in)``) in place onto ``outputs``: one ``(..., out)``
     tensor, or one per slice of the multi-slice layout, each with ``x``'s leading shape.
     ``lora``: the factors (:class:`LoraWeights`); ``batch``: the tokens' metadata
     (:class:`BatchInfo`); ``workspace`` (from :func:`lora_workspace`): the CUDA kernel's
-    shrink result."""
+    shrink result. ``shrunk``: ``fxlora::lora_shrink`` wrote it already, before the base
+    computation, and the CUDA kernel only expands (the reference computes the whole delta
+    from ``x`` either way)."""
     ys, written = _rows(x, outputs, unit_stride=False)
     sliced_delta_reference(ys, x.reshape(-1, x.shape[-1]), LoraWeights(*lora), BatchInfo(*batch).token_slot)
     written()
@@ -129,13 +177,21 @@ def lora_delta_triton(
     lora: list[torch.Tensor],
     batch: list[torch.Tensor],
     workspace: torch.Tensor,
+    shrunk: bool = False,
 ) -> None:
-    """The CUDA implementation: one shrink and one expand over every output (the base has
-    run already, so there is nothing for the shrink to overlap with)."""
+    """The CUDA implementation: one shrink and one expand over every output, or with
+    ``shrunk`` the expand alone, after the side stream ``fxlora::lora_shrink`` may have
+    forked onto has joined."""
     ys, written = _rows(x, outputs, unit_stride=True)
     widths = tuple(y.shape[-1] for y in ys) if len(ys) > 1 else None
-    base = (lambda: ys) if widths else (lambda: ys[0])  # noqa: E731
-    with_lora_delta(x, base, LoraWeights(*lora), BatchInfo(*batch), workspace, False, widths, one_gemm=False)
+    weights, info = LoraWeights(*lora), BatchInfo(*batch)
+    if shrunk:
+        if capturing(x):
+            join(x.device)
+        expand_onto(ys if widths else ys[0], workspace, weights, info, widths)
+    else:
+        base = (lambda: ys) if widths else (lambda: ys[0])  # noqa: E731
+        with_lora_delta(x, base, weights, info, workspace, False, widths, one_gemm=False)
     written()
 
 
@@ -173,5 +229,5 @@ if sgmv is not None:
 
 
 @lora_delta.register_fake
-def _(x, outputs, lora, batch, workspace):
+def _(x, outputs, lora, batch, workspace, shrunk=False):
     return None
