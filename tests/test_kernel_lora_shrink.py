@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lora_cases import DEVICE, TOL, draw_case, nan_workspace, pool_factors, reference
+from lora_cases import TOL, draw_case, nan_workspace, pool_factors, reference
 
 from fxlora.ops import lora_shrink
 from fxlora.ops.batch_info import token_segments
@@ -113,7 +113,8 @@ def test_schema_fake_and_functionalization():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_pair_in_a_cuda_graph_around_a_gemm(dtype):
     """Captured: the shrink forks onto the side stream before the base GEMM, the delta joins
-    it before its expand; replays with new inputs and slots give the reference result."""
+    it before its expand; the shrink's input, freed meanwhile, is not handed to another
+    allocation; replays with new inputs and slots give the reference result."""
     gen = torch.Generator().manual_seed(0)
     tokens, d_in, widths, slots, max_rank = 48, 256, (192, 64), 4, 16
     ranks = [16, 8, 0, 16, 4, 16, 12, 2]
@@ -123,9 +124,15 @@ def test_the_pair_in_a_cuda_graph_around_a_gemm(dtype):
     slot_ids = torch.empty(tokens, dtype=torch.int32, device="cuda")
     workspace = lora_workspace(x, a)
 
+    reused = []
+
     def step():
         batch = list(torch.ops.fxlora.batch_info(slot_ids, x, 1, slots))
-        torch.ops.fxlora.lora_shrink(x, [a, b, scaling, rank], batch, workspace, 2)
+        xi = x * 1  # an intermediate freed right after the shrink, as a graph may free it
+        torch.ops.fxlora.lora_shrink(xi, [a, b, scaling, rank], batch, workspace, 2)
+        freed = xi.data_ptr()
+        del xi
+        reused.append(torch.empty_like(x).data_ptr() == freed)  # its memory, to the next allocation?
         y = F.linear(torch.relu(x), w)  # the base: reads x, does not need the shrink
         parts = list(y.split(widths, 1))
         torch.ops.fxlora.lora_delta(x, parts, [a, b, scaling, rank], batch, workspace, True)
@@ -145,6 +152,7 @@ def test_the_pair_in_a_cuda_graph_around_a_gemm(dtype):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
+    assert reused[0] and not reused[-1]  # eagerly the next allocation takes it; captured, it waits for the side stream
     for seed in (2, 3):
         fill(seed)
         graph.replay()

@@ -47,6 +47,19 @@ class Block(torch.nn.Module):
         return self.c(torch.cat([ya, self.b(h)], -1)) + h
 
 
+class Normed(torch.nn.Module):
+    """``a`` and ``b`` read a normed input the graph computes (Inductor may write it once per
+    op that reads it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = MatmulLinear(8, 8, bias=False), MatmulLinear(8, 4, bias=False), torch.nn.Linear(12, 8)
+
+    def forward(self, h):
+        x = torch.nn.functional.layer_norm(h * 2, (8,))
+        return self.c(torch.cat([torch.relu(self.a(x)), self.b(x)], -1)) + h
+
+
 class Twice(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -132,14 +145,33 @@ def test_the_shrink_goes_before_the_base_for_code_run_on_cuda():
     (shrink,), (delta,) = [n for n in nodes if n.target is LORA_SHRINK], [n for n in nodes if n.target is LORA_DELTA]
     assert shrink.args[-1] == 2 and delta.args[-1] is True  # a and b: two slices; the delta only expands
     assert delta.args[0] is shrink.args[0] and delta.args[2:5] == shrink.args[1:4]  # same input, factors, scratch
-    regions = [i for i, n in enumerate(nodes) if n.meta.get("fxlora_module") in ("a", "b") and n.target is not LORA_SHRINK]
+    regions = [i for i, n in enumerate(nodes) if n.meta.get("fxlora_module") in ("a", "b")]
     assert nodes.index(shrink) < min(regions) and nodes.index(delta) > max(regions)
     assert "lora_delta: each shrink issued before its traced base (fxlora::lora_shrink)" in ctx.report
     check_against_peft(model, adapters, variants, inputs, pool, h)
-    torch._dynamo.reset()
-    compiled = torch.compile(variants.lora, backend="inductor")
+
+
+def test_inductor_keeps_the_shrinks_input_until_the_delta():
+    """Under capture the shrink's side stream reads its input after the op returns: Inductor
+    compiles a graph with ``lora_shrink`` without reusing any buffer in its code (by default it
+    hands the shrink's copy of the normed input to the base GEMM's output), and computes what
+    the graph does."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.utils import run_and_get_code
+
+    from fxlora.compiler.inner import compile_inner
+
+    torch.manual_seed(0)
+    model = Normed().eval()
+    h = torch.randn(3, 5, 8)
+    variants, _, inputs, pool = compile_toy(model, adapters_for(model, ["a", "b", "c"]), h, shrink_ahead=True)
     slots = torch.tensor(pool.slot_ids(["one", None, "two"]), dtype=torch.int32)
-    torch.testing.assert_close(compiled(*inputs, slots)[0], variants.lora(*inputs, slots)[0], rtol=1e-5, atol=1e-6)
+    reused = lambda code: [line for line in code.splitlines() if "# reuse" in line]  # noqa: E731
+    with torch.no_grad():
+        _, (default,) = run_and_get_code(lambda: compile_fx(variants.lora, [*inputs, slots])(*inputs, slots))
+        out, (code,) = run_and_get_code(lambda: compile_inner(variants.lora, "inductor")(*inputs, slots))
+    assert "fxlora.lora_shrink" in code and reused(default) and not reused(code)
+    torch.testing.assert_close(out[0], variants.lora(*inputs, slots)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_the_rewritten_graph_compiles_with_inductor():
@@ -155,13 +187,17 @@ def test_the_rewritten_graph_compiles_with_inductor():
         torch.testing.assert_close(compiled(*inputs, slots)[0], variants.lora(*inputs, slots)[0], rtol=1e-5, atol=1e-6)
 
 
-def test_a_region_that_mutates_is_served_where_it_was_traced():
+@pytest.mark.parametrize("shrink_ahead", [False, True], ids=["one_op", "shrink_ahead"])
+def test_a_region_that_mutates_is_served_where_it_was_traced(shrink_ahead):
+    """... and, a region that writes a tensor, its shrink stays in its delta (it might write
+    the input the shrink reads)."""
     torch.manual_seed(0)
     model = Block(second=InPlaceLinear).eval()
     h = torch.randn(3, 5, 8)
     adapters = adapters_for(model, ["b", "a"])
-    variants, ctx, inputs, pool = compile_toy(model, adapters, h)
+    variants, ctx, inputs, pool = compile_toy(model, adapters, h, shrink_ahead)
     assert count(variants.lora, LORA_DELTA) == 2
+    assert [n.meta["fxlora_module"] for n in variants.lora.graph.nodes if n.target is LORA_SHRINK] == ["a"] * shrink_ahead
     assert any(line.startswith("not joined a, b: b mutates a tensor") for line in ctx.report)
     check_against_peft(model, adapters, variants, inputs, pool, h)
 

@@ -65,8 +65,9 @@ class OpsSalt(CustomGraphPass):
         return (ops_digest(), None if self.then is None else self.then.uuid())
 
 
-def config_patches(float8: bool) -> dict[str, Any]:
-    """Inductor config patches for a graph of fxlora's; ``float8``: whether it reads float8 data.
+def config_patches(float8: bool, forks: bool = False) -> dict[str, Any]:
+    """Inductor config patches for a graph of fxlora's; ``float8``: whether it reads float8
+    data; ``forks``: whether it calls ``fxlora::lora_shrink``.
 
     - The cache key salted with :func:`ops_digest`, unless a plain callable is the post-grad
       pass (Inductor does not cache such compilations).
@@ -80,6 +81,11 @@ def config_patches(float8: bool) -> dict[str, Any]:
         GEMM shape for each graph and variant; ATen's kernel is the one the FP8 model runs
         eagerly. Elsewhere Inductor keeps its GEMM choices: for ``_int_mm`` (torchao's int8
         activations) they are needed, as cuBLAS's kernel takes only more than 16 rows.
+    - With ``forks``, no reuse of a dead buffer for a later one, nor of an input buffer for a
+      kernel's output: under capture ``fxlora::lora_shrink`` leaves its input to a side stream
+      that reads it after the op returns, until ``fxlora::lora_delta`` joins. The caching
+      allocator knows of that read (``record_stream``); Inductor's own reuse, in its
+      generated code, would not.
     """
     config = torch._inductor.config
     patches: dict[str, Any] = {}
@@ -90,6 +96,8 @@ def config_patches(float8: bool) -> dict[str, Any]:
             patches["coordinate_descent_tuning"] = False
         if float8:
             patches["max_autotune_gemm_backends"] = "ATEN"
+    if forks:
+        patches |= {"allow_buffer_reuse": False, "inplace_buffers": False}
     configured = config.post_grad_custom_post_pass
     if configured is None or isinstance(configured, CustomGraphPass):
         patches["post_grad_custom_post_pass"] = OpsSalt(configured)
@@ -194,7 +202,8 @@ def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
             example_inputs.append(value.detach() if isinstance(value, torch.Tensor) else value)
     with torch.no_grad():  # an inference graph: fxlora's ops have no backward
         float8 = reads_float8([*example_inputs, *gm.parameters(), *gm.buffers()])  # inputs, or weights held
-        compiled = compile_fx(composed(gm), example_inputs, config_patches=config_patches(float8))
+        forks = any(n.target is torch.ops.fxlora.lora_shrink.default for n in gm.graph.nodes)
+        compiled = compile_fx(composed(gm), example_inputs, config_patches=config_patches(float8, forks))
 
     def run(*args: Any) -> Any:
         with torch.no_grad():  # Inductor may finish compiling on the first call

@@ -216,7 +216,7 @@ def _insert(
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     last = max((r.output for r in regions), key=order.__getitem__)
     outputs = [r.output for r in regions]
-    if ctx.shrink_ahead:
+    if ctx.shrink_ahead and all(_pure(n) for r in regions for n in r.nodes):  # the base leaves x as the shrink read it
         first = min((n for r in regions for n in r.nodes), key=order.__getitem__)
         with gm.graph.inserting_before(first):
             operands = lora_operands(gm, ctx, x, factors, rows)

@@ -75,7 +75,7 @@ def with_lora_delta(
     slices = len(slice_widths or (None,))
     shrink = lambda: shrink_into(workspace, x2, weights, info, slices, slices if one_gemm else 1)  # noqa: E731
     if overlap and capturing(x):  # the GEMM first, the shrink forked
-        inputs_ready = fork()
+        inputs_ready = fork(x.device)
         y = base()
         with on_side_stream(x.device, inputs_ready):
             v = shrink()
@@ -120,10 +120,10 @@ def capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def fork() -> torch.cuda.Event:
-    """An event on the current stream that the side stream's next work waits for."""
+def fork(device: torch.device) -> torch.cuda.Event:
+    """An event on ``device``'s current stream that the side stream's next work waits for."""
     ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream())
+    ready.record(torch.cuda.current_stream(device))
     return ready
 
 

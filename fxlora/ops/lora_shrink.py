@@ -4,14 +4,20 @@ computation it adds onto.
 ``workspace[t, i * R : i * R + rank] = x[t] @ lora_a[s, i * R : i * R + rank].T`` (float32) for
 every token ``t`` with slot ``s >= 0`` and every slice ``i`` of the multi-slice layout
 (``R = lora_a.shape[1] // slices``, ``rank`` the slot's rank for that slice); other entries
-keep whatever they held. A later ``fxlora::lora_delta(..., workspace, shrunk=True)`` over the
-same ``x``, factors and batch expands it onto the base's outputs.
+are unspecified (the reference leaves them, the CUDA kernel may zero them). A later
+``fxlora::lora_delta(..., workspace, shrunk=True)`` over the same ``x``, factors and batch
+expands it onto the base's outputs.
 
 The pair exists for bases the graph keeps as traced (a quantised matmul): ``lora_delta`` can
 only follow them, and its shrink, which reads ``x`` alone, would wait for them. Placed before
 the base, the shrink runs beside it: while a CUDA graph is captured on a side stream that
 ``lora_delta`` joins before its expand, so the graph holds it as a parallel branch; called
 eagerly, on the current stream (the fork would cost the host more than it saves).
+
+Forked, the shrink reads ``x`` after the op has returned, so ``x``'s memory must not serve
+anything else before ``lora_delta`` joins: the op marks it used by the side stream for the
+caching allocator (``record_stream``), and a graph holding the op must not reuse the buffer in
+its own code (fxlora compiles such graphs with Inductor's buffer reuse off).
 """
 
 from __future__ import annotations
@@ -51,10 +57,12 @@ def lora_shrink_triton(
     if not capturing(x):
         shrink_into(workspace, x2, weights, info, slices, 1)
         return
-    with on_side_stream(x.device, fork()):
+    with on_side_stream(x.device, fork(x.device)):
         shrink_into(workspace, x2, weights, info, slices, 1)
-        if x2.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():  # a copy, freed when this op
-            x2.record_stream(torch.cuda.current_stream())  # returns: not reused before the side stream read it
+        side = torch.cuda.current_stream()
+        x.record_stream(side)  # read after this op returns: freed meanwhile, not reused before the read
+        if x2.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():  # a copy made here
+            x2.record_stream(side)
 
 
 if sgmv is not None:
