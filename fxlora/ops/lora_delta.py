@@ -7,9 +7,13 @@ leaves the base alone, whatever computed ``y`` (``input @ weight.T``, a quantise
 tensor-subclass weight): tokens without an adapter, and slots of rank 0, keep their values
 bit for bit. Several outputs that read one input (the multi-slice layout) take one call.
 
+With ``shrunk``, ``fxlora::lora_shrink`` (issued before the base) has written the shrink, and
+the op only expands it.
+
 This file also holds what every linear LoRA op shares: the reference delta (PEFT's
-operations, one slot at a time), the shrink's workspace, and :func:`with_lora_delta`, which
-launches the Triton SGMV / BGMV kernels around a base computation on CUDA.
+operations, one slot at a time), the shrink's workspace, :func:`with_lora_delta`, which
+launches the Triton SGMV / BGMV kernels around a base computation on CUDA, its shrink and
+expand halves, and the side stream a shrink forks onto under CUDA-graph capture.
 """
 
 from __future__ import annotations
