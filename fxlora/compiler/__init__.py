@@ -36,6 +36,7 @@ LORA_OPS = {
     torch.ops.fxlora.lora_delta.default,
     torch.ops.fxlora.lora_linear.default,
     torch.ops.fxlora.lora_linear_fused.default,
+    torch.ops.fxlora.lora_shrink.default,
     torch.ops.fxlora.lora_embedding.default,
     torch.ops.fxlora.moe_lora.default,
 }
