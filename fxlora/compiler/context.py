@@ -23,7 +23,7 @@ class PassContext:
     inputs: list | None = None  # the real values of the graph's placeholders (Dynamo's example inputs)
     modules: ModuleTree | None = None  # the traced model's module tree, when known
     decode_attention: bool = False  # rewrite decode-step SDPA over the KV cache (for code run on CUDA)
-    shrink_ahead: bool = False  # issue lora_delta's shrink before the traced base (for code run on CUDA)
+    shrink_ahead: bool = False  # issue lora_delta's shrink before the traced base (for CUDA graphs' code)
     batch: object = None  # the input whose first dimension is the batch's rows (a real tensor), when known
     # module FQN as traced -> the module a reused graph runs for (another instance of its code)
     renamed: dict[str, str] | None = None

@@ -10,9 +10,9 @@ attributed to it or its submodules. Their region must have one output, of shape
 ``(..., out_features)``, and read one input of shape ``(..., in_features)`` with the output's
 leading shape (parameters, recognised by identity with the model's, are not inputs). The op
 goes right after the output and adds in place, so every user of the output reads the sum.
-For code run on CUDA (``PassContext.shrink_ahead``) the op's shrink, which reads only the
-input, becomes ``fxlora::lora_shrink`` right before the region, so that under a CUDA graph it
-runs beside the base, and the op after the region only expands.
+For code captured in CUDA graphs (``PassContext.shrink_ahead``) the op's shrink, which reads
+only the input, becomes ``fxlora::lora_shrink`` right before the region, so that it runs beside
+the base, and the op after the region only expands.
 
 A module called more than once gets one op per call. Targets whose regions read the same input (a quantised model's q, k and v; Falcon's
 ``query_key_value`` and ``dense_h_to_4h``) are joined in the pool (:meth:`AdapterPool.join`)

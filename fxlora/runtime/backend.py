@@ -111,13 +111,14 @@ class Backend:
     def _context(self, inputs: list[Any], inner: str, renamed: dict[str, str] | None = None) -> PassContext:
         """The passes' context for a graph whose placeholders get ``inputs``, compiled by ``inner``."""
         selection, on_cuda = current_selection(), _first_device(inputs).type == "cuda"
+        captured = self.cuda_graphs or _role.get() == "decode step"  # what the runtime replays as CUDA graphs
         return PassContext(
             self.pool,
             arena=self.arena if inner == "eager" else None,  # Inductor plans the graph's memory itself
             inputs=list(inputs),
             modules=self.modules,
             decode_attention=on_cuda,
-            shrink_ahead=on_cuda,
+            shrink_ahead=on_cuda and captured,
             batch=selection.batch if selection is not None else None,
             renamed=renamed,
         )
