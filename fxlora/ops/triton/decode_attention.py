@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fxlora.ops.triton.launch_table import cdiv, next_power_of_2
+
 BLOCK_N = 128  # cache columns per step of a program
 STAGES = 2  # blocks of keys and values in flight per program (the loop's software pipeline)
 SCAN = 256  # mask columns per step of the search for a split's visible columns
@@ -98,9 +100,9 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, splits, stride_ob, stride_oh, he
 
 def split_size(rows: int, kv_heads: int, columns: int) -> int:
     """Columns per split: enough programs to fill the device, whole blocks each."""
-    blocks = triton.cdiv(columns, BLOCK_N)
-    splits = max(1, min(blocks, triton.cdiv(TARGET_PROGRAMS, rows * kv_heads)))
-    return triton.cdiv(blocks, splits) * BLOCK_N
+    blocks = cdiv(columns, BLOCK_N)
+    splits = max(1, min(blocks, cdiv(TARGET_PROGRAMS, rows * kv_heads)))
+    return cdiv(blocks, splits) * BLOCK_N
 
 
 def decode_attention(
@@ -115,22 +117,22 @@ def decode_attention(
     group = heads // kv_heads
     mask = mask.expand(rows, 1, 1, columns)
     split = split_size(rows, kv_heads, columns)
-    splits = triton.cdiv(columns, split)
+    splits = cdiv(columns, split)
     part = torch.empty(rows * heads * splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows * heads * splits, dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(dim)
+    block_d = next_power_of_2(dim)
     _split_kernel[(rows * kv_heads, splits)](
         q, k, v, mask, part, lse,
         columns, kv_heads, group, scale, masked,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), mask.stride(3),
-        SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d, HEAD_DIM=dim,
+        SPLIT=split, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d, HEAD_DIM=dim,
         SCAN=SCAN, STAGES=STAGES, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 as float32, not TF32
         num_warps=4,
     )  # fmt: skip
     out = torch.empty(rows, heads, 1, dim, dtype=q.dtype, device=q.device)
     _combine_kernel[(rows * heads,)](
         part, lse, out, splits, out.stride(0), out.stride(1), heads,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, HEAD_DIM=dim,
+        BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d, HEAD_DIM=dim,
     )  # fmt: skip
     return out

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fxlora.ops.triton.launch_table import next_power_of_2
+
 #: the most tokens one program sorts; larger batches take the ATen ops
 MAX_TOKENS = 2048
 
@@ -82,7 +84,7 @@ def slot_sort(
         raise ValueError(f"a segment list of {entries} entries cannot hold {count} tokens of {num_slots} slots")
     i32 = dict(dtype=torch.int32, device=row_slot.device)
     out = [torch.empty(count, **i32), torch.empty(count, **i32)] + [torch.empty(entries, **i32) for _ in range(3)]
-    block = max(16, triton.next_power_of_2(count))
+    block = max(16, next_power_of_2(count))
     warps = min(16, max(4, block // 128))  # the sort's work grows with the block: more warps past 512 tokens
     _slot_sort_kernel[(1,)](row_slot, *out, count, num_slots, per_row, entries, BLOCK=block, num_warps=warps)
     return tuple(out)
