@@ -110,9 +110,10 @@ def test_a_second_process_takes_both_variants_from_the_cache(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    assert run("1").get("autograd_cache_saved") == 2
+    cold = run("1")  # each variant's regions; the regions two variants share come from the cache the second time
+    assert cold.get("autograd_cache_saved", 0) >= 2 and "autograd_cache_bypass" not in cold, cold
     warm = run("2")
-    assert warm.get("autograd_cache_hit") == 2, warm
+    assert warm.get("autograd_cache_hit") == cold["total"] and "autograd_cache_miss" not in warm, warm
 
 
 def test_inductor_compiles_a_cuda_experts_op_as_its_composition():

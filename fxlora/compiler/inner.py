@@ -31,6 +31,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import fxlora.ops
+from fxlora.compiler import regions
 from fxlora.compiler.arena import WORKSPACES
 from fxlora.ops.moe_lora import local_routing
 
@@ -187,26 +188,41 @@ def _reads_subclass(node: fx.Node) -> bool:
 
 def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
     """The callable that runs ``gm`` (a variant of a graph Dynamo traced, compiled while
-    Dynamo's tracing context is current)."""
+    Dynamo's tracing context is current). Inductor compiles a graph with a layer list region by
+    region (:mod:`fxlora.compiler.regions`), each distinct region once."""
     if inner == "eager":
         return gm
-    from torch._inductor.compile_fx import compile_fx
-
-    example_inputs = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            value = node.meta.get("val", node.meta.get("example_value"))
-            if value is None:
-                raise RuntimeError(f"graph input {node.target!r} has no traced value for Inductor to trace from")
-            # the graph is an inference graph: no input asks for gradients, whatever the grad mode
-            example_inputs.append(value.detach() if isinstance(value, torch.Tensor) else value)
+    gm = composed(gm)
     with torch.no_grad():  # an inference graph: fxlora's ops have no backward
-        float8 = reads_float8([*example_inputs, *gm.parameters(), *gm.buffers()])  # inputs, or weights held
-        forks = any(n.target is torch.ops.fxlora.lora_shrink.default for n in gm.graph.nodes)
-        compiled = compile_fx(composed(gm), example_inputs, config_patches=config_patches(float8, forks))
+        stitched = regions.split(gm)
+        if stitched is None:
+            compiled = _inductor(gm, [_traced_value(n) for n in gm.graph.nodes if n.op == "placeholder"])
+        else:
+            for region in stitched.regions:
+                region.compiled = _inductor(region.graph, region.example_inputs)
+            log.info("inductor compiled %s", stitched.describe())
+            compiled = stitched
 
     def run(*args: Any) -> Any:
         with torch.no_grad():  # Inductor may finish compiling on the first call
             return compiled(*args)
 
+    run.regions = stitched  # type: ignore[attr-defined]
     return run
+
+
+def _traced_value(node: fx.Node) -> Any:
+    value = node.meta.get("val", node.meta.get("example_value"))
+    if value is None:
+        raise RuntimeError(f"graph input {node.target!r} has no traced value for Inductor to trace from")
+    return value
+
+
+def _inductor(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx
+
+    # the graph is an inference graph: no input asks for gradients, whatever the grad mode
+    example_inputs = [v.detach() if isinstance(v, torch.Tensor) else v for v in example_inputs]
+    float8 = reads_float8([*example_inputs, *gm.parameters(), *gm.buffers()])  # inputs, or weights held
+    forks = any(n.target is torch.ops.fxlora.lora_shrink.default for n in gm.graph.nodes)
+    return compile_fx(gm, example_inputs, config_patches=config_patches(float8, forks))

@@ -101,6 +101,7 @@ class Backend:
         router = Router(
             instances, self.pool, device, self.graphs, self.lock, owner=self, inner=inner, graph_breaks=self.graph_breaks
         )
+        record.regions = router.regions()
         self.routers.append(router)
         self.records.append(record)
         self.rewritten.update(ctx.rewritten)

@@ -28,6 +28,8 @@ GLOSSARY = {
     "input @ weight.T) keep their traced computation; fxlora::lora_delta adds the LoRA delta onto its output "
     "(modules joined by '+' share one launch)",
     "arena": "one buffer, planned once, that holds the graphs' temporary allocations",
+    "region": "a run of a graph's nodes of one layer (or of none) that Inductor compiles as a graph of its own; "
+    "layers whose regions are the same code share one compilation",
     "buckets": "decode batch sizes with graphs of their own; a batch runs in the smallest that fits it",
 }
 
@@ -45,6 +47,7 @@ class GraphRecord:
     inner: str = "eager"  # the inner compiler of both variants
     attention: int = 0  # decode-step SDPA calls served by fxlora::decode_attention
     instances: int = 0  # other module instances Dynamo runs the graph for, each with variants of its own
+    regions: dict[str, str] = field(default_factory=dict)  # variant -> how Inductor compiled it by region
 
     @classmethod
     def of(cls, index: int, role: str, variants: Variants, notes: Iterable[str], inner: str = "eager") -> GraphRecord:
@@ -69,6 +72,8 @@ class GraphRecord:
                 yield "    fused groups: " + note.rpartition(": ")[2]
             if note.startswith("lora_delta:"):
                 yield "    " + note.removeprefix("lora_delta: ")
+        if self.regions:
+            yield "    by region: " + "; ".join(f"{v} {how}" for v, how in self.regions.items())
         if self.attention:
             yield f"    decode attention: {self.attention} SDPA call(s) read the KV cache's grouped heads as cached"
         if any(self.hoisted.values()):

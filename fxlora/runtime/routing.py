@@ -322,6 +322,12 @@ class Router:
             self._compiled[key] = (variants, compile_inner(graph, self.inner), uncapturable)
         return self._compiled[key][1:]
 
+    def regions(self) -> dict[str, str]:
+        """How the inner compiler split each variant of the traced graph into regions, if it did."""
+        compiled = {variant: self._compiled_variant(self.instances.traced, variant)[0] for variant in ("lora", "nolora")
+                    if getattr(self.instances.traced, variant) is not None}  # fmt: skip
+        return {v: fn.regions.describe() for v, fn in compiled.items() if getattr(fn, "regions", None) is not None}
+
     def _run(self, variants: Variants, variant: str, args: tuple):
         fn, uncapturable = self._compiled_variant(variants, variant)
         with self.lock:
