@@ -3,8 +3,8 @@ weight-only experts (transformers' ``TorchAoConfig`` with ``FqnToConfig`` on the
 parameters) run ``fxlora::moe_lora`` on the subclass's own GEMMs, with the deltas after each
 GEMM. Checked against the exact decomposition (the quantised model's own eager experts loop
 with the reference delta added onto each expert's GEMM; PEFT cannot run ``target_parameters``
-on these weights), in float32 (1e-5 relative error per row); rows without an adapter, and
-the nolora variant, equal the quantised model's eager loop bit for bit."""
+on these weights), in float32 (1e-5 relative error per row); the nolora variant equals the
+quantised model's eager loop bit for bit."""
 
 import pytest
 import torch
@@ -63,7 +63,10 @@ def test_quantised_experts_carry_lora(moe, kind):
         base = twin(**batch).logits
         nolora = cm(**batch, adapter_names=[None] * len(NAMES)).logits
     assert min(row_errors(experts_only, base, batch["attention_mask"])[i] for i in (0, 2)) > 1e-3
-    assert torch.equal(out[1], base[1]) and torch.equal(nolora, base)
+    assert torch.equal(nolora, base)
+    # the row without an adapter: the other rows' routing sets how many tokens each expert's GEMM
+    # takes, and a CPU GEMM's rounding of a row may depend on that
+    torch.testing.assert_close(out[1], base[1], rtol=1e-5, atol=1e-6)
     experts = {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
     assert {fqn for fqn, op in cm.backend.rewritten.items() if op == MOE_LORA} == experts
     assert (

@@ -124,7 +124,7 @@ def moe_lora_reference(
     tokens, top_k = top_k_index.shape
     weighted = hidden.new_zeros(tokens, top_k, hidden.shape[-1])
     for e in torch.unique(top_k_index).tolist():
-        token, j = (top_k_index == e).nonzero(as_tuple=True)
+        j, token = (top_k_index == e).T.nonzero(as_tuple=True)  # by position, then token, as the eager loops order rows
         slots = token_slot[token]
         x = hidden[token]
         h = _expert_linear(x, up_weight[e], None if up_bias is None else up_bias[e], transposed)
