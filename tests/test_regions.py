@@ -1,14 +1,17 @@
 """Regional compilation: Inductor compiles a decoder's layers as regions, identical ones once,
-and the regions called in order compute what the whole graph does; a layer whose code differs
-(an adapter on some layers only) is compiled apart; a graph without a layer list is compiled
-whole."""
+and the regions called in order compute what the whole graph does, under dynamic shapes and
+with writes into the graph's inputs between them; a layer whose code differs (an adapter on
+some layers only) is compiled apart; a graph without a layer list is compiled whole."""
 
 import torch
 from peft import LoraConfig
+from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxlora
 from fxlora.compiler import regions
+from fxlora.compiler.annotate import module_fqn
+from fxlora.compiler.inner import compile_inner
 from fxlora.testing import make_adapter, tiny_model
 from fxlora.testing.oracle import assert_matches_peft
 
@@ -38,6 +41,51 @@ def test_a_layer_of_other_code_is_compiled_apart():
     assert_matches_peft(cm, model, {"a": a}, ["a", None], input_ids=ids)
     # layers 0, 1 and 3 share their code; layer 2, with the LoRA ops and their prologue, has its own
     assert _regions(cm) == "by region: lora 6 regions, 4 compiled; nolora 6 regions, 3 compiled"
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, h, mask, cache, at):
+        cache.index_copy_(0, at, h[:1])  # a write into a graph input (a KV cache) that the next layer reads
+        return torch.relu(self.proj(h) + mask.sum(-1, keepdim=True) + cache.sum(0))
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer() for _ in range(4)])
+
+    def forward(self, h, past, new, cache, at):
+        mask = torch.cat([past, new], dim=1)  # (rows, past + new): a sum of symbols, read by every layer
+        for layer in self.layers:
+            h = layer(h, mask, cache, at)
+        return h * 2
+
+
+def test_regions_compute_what_the_graph_does_under_dynamic_shapes():
+    compiled = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:  # as annotate attributes nodes, by Dynamo's module paths
+            if node.op.startswith("call") and node.meta.get("nn_module_stack"):
+                node.meta["fxlora_module"] = module_fqn(list(node.meta["nn_module_stack"].values())[-1][0])
+        compiled.append(compile_inner(gm, "inductor"))
+        return compiled[-1]
+
+    model = _Model()
+    run = torch.compile(model, backend=backend, dynamic=True)
+    for rows, past, new in ((3, 5, 2), (2, 7, 3)):
+        args = (torch.randn(rows, 4), torch.randn(rows, past), torch.randn(rows, new), torch.randn(6, 4), torch.tensor([rows]))
+        expected_cache = args[3].clone()
+        with torch.no_grad():
+            expected = model(args[0], args[1], args[2], expected_cache, args[4])
+            torch.testing.assert_close(run(*args), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(args[3], expected_cache, rtol=1e-5, atol=1e-5)
+    # the mask's prologue with the first layer, two identical layers, the last with the doubling
+    assert [c.regions.describe() for c in compiled] == ["4 regions, 3 compiled"]
 
 
 def test_a_graph_without_a_layer_list_is_compiled_whole():

@@ -195,11 +195,15 @@ def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
     gm = composed(gm)
     with torch.no_grad():  # an inference graph: fxlora's ops have no backward
         stitched = regions.split(gm)
+        try:
+            for region in stitched.regions if stitched is not None else ():
+                region.compiled = _inductor(region.graph, region.example_inputs)
+        except Exception as e:  # a region Inductor cannot take: the graph as a whole
+            log.warning("compiling the graph whole, as a region failed: %s: %s", type(e).__name__, e)
+            stitched = None
         if stitched is None:
             compiled = _inductor(gm, [_traced_value(n) for n in gm.graph.nodes if n.op == "placeholder"])
         else:
-            for region in stitched.regions:
-                region.compiled = _inductor(region.graph, region.example_inputs)
             log.info("inductor compiled %s", stitched.describe())
             compiled = stitched
 

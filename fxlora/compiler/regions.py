@@ -11,9 +11,12 @@ as symbols, strides, dtypes, aliasing, tensor-subclass layout) are one :class:`R
 the inner compiler compiles once; :class:`Stitched` calls the compiled regions in order.
 
 A value crosses from region to region only as a tensor: a size or other scalar is recomputed
-where it is read (its producing nodes copied along), and an item of a multi-output op stays
-with the op. A graph without a layer list, or one that does not split cleanly (a value of
-unknown kind crossing, a ``call_module``), is compiled whole.
+where it is read (its producing nodes copied along), an item of a multi-output op stays with
+the op, and a region whose inputs' sizes hold a symbol takes that symbol as an input too, as
+Dynamo's graph does. Nodes keep their order: a node attributed to no module (one a pass
+inserted) stays in the run it is in. A graph without a layer list, or one that does not split
+cleanly (a value of unknown kind crossing, a symbol the graph does not take, a
+``call_module``), is compiled whole.
 
 What regions cost: Inductor fuses nothing across a region's border (the residual add closing a
 layer and the norm opening the next are two kernels), and a call runs one Python call per
@@ -31,8 +34,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from fxlora.compiler.graph_edit import meta_value
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +52,6 @@ class Region:
 
     graph: fx.GraphModule
     example_inputs: list[Any]
-    count: int = 0  # how many of the graph's regions it serves
     compiled: Callable[..., Any] | None = None
 
 
@@ -62,8 +67,9 @@ class Stitched:
     """The graph module's computation as calls of compiled regions over a list of slots:
     the graph's inputs first, then its module's tensors, then the regions' outputs."""
 
-    def __init__(self, steps: list[Step], slots: int, constants: dict[int, Any], output: Any, regions: list[Region]):
-        self.steps, self.slots, self.constants, self.output, self.regions = steps, slots, constants, output, regions
+    def __init__(self, steps: list[Step], slots: int, constants: dict[int, Any], output: Any):
+        self.steps, self.slots, self.constants, self.output = steps, slots, constants, output
+        self.regions = list({id(s.region): s.region for s in steps}.values())  # the distinct ones, in order
 
     def __call__(self, *args: Any) -> Any:
         env: list[Any] = [None] * self.slots
@@ -111,76 +117,6 @@ def layer_list(gm: fx.GraphModule) -> str | None:
     return prefix if len(indices) >= MIN_LAYERS else None
 
 
-def _value(node: fx.Node) -> Any:
-    return node.meta.get("val", node.meta.get("example_value"))
-
-
-def _traced(node: fx.Node, fake_mode: Any, known: dict[fx.Node, Any]) -> Any:
-    """``node``'s traced value: from ``known`` (the graph's inputs and tensors), or its
-    metadata, or for a node a pass inserted without one, computed from its arguments' under
-    ``fake_mode`` (and kept in its metadata)."""
-    if node in known:
-        return known[node]
-    value = _value(node)
-    if value is None and node.op in ("call_function", "call_method"):
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: _traced(n, fake_mode, known))
-        with fake_mode:
-            value = node.target(*args, **kwargs) if node.op == "call_function" else getattr(args[0], node.target)(*args[1:], **kwargs)
-        node.meta["val"] = value
-    return value
-
-
-def _runs(gm: fx.GraphModule, prefix: str) -> dict[fx.Node, int]:
-    """Each computing node's run: a new one starts where the layer a node is attributed to
-    changes; a node attributed to no module (one a pass inserted) goes to the run of its
-    latest input, or stays where it is if it writes anything; an item of a multi-output op
-    goes with the op."""
-    run_of: dict[fx.Node, int] = {}
-    run, current = -1, object()
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr", "output"):
-            continue
-        source = node.args[0] if node.target is operator.getitem and node.args else None
-        if isinstance(source, fx.Node) and source in run_of:
-            run_of[node] = run_of[source]
-            continue
-        fqn = node.meta.get("fxlora_module")
-        if fqn is None and not node.is_impure():  # as early as its inputs allow: shared prologues
-            run_of[node] = max((run_of.get(a, 0) for a in node.all_input_nodes), default=0)
-            continue
-        if fqn is not None:
-            match = _INDEX.match(fqn)
-            owner = int(match[2]) if match and match[1] == prefix else "outside"
-            if owner != current:
-                run, current = run + 1, owner
-        run_of[node] = max(run, 0)
-    return run_of
-
-
-def _scalar(value: Any) -> bool:
-    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
-
-
-def _describe(value: Any, aliases: dict[Any, int], index: int) -> Any:
-    """What a region's compiled code may depend on of one input: for a tensor its type,
-    dtype, device, sizes, strides, offset and which earlier input shares its storage (for a
-    subclass, its layout and its inner tensors); for a scalar its expression."""
-    if isinstance(value, torch.Tensor):
-        described: tuple = (
-            type(value).__name__, value.dtype, value.device.type, value.requires_grad,
-            tuple(map(str, value.shape)), tuple(map(str, value.stride())),
-        )  # fmt: skip
-        if is_traceable_wrapper_subclass(value):
-            names, context = value.__tensor_flatten__()
-            inner = tuple(_describe(getattr(value, n), {}, 0) for n in names)
-            return (*described, repr(context), inner)
-        storage = StorageWeakRef(value.untyped_storage())
-        return (*described, str(value.storage_offset()), aliases.setdefault(storage, index))
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ("symbol", str(value.node.expr))
-    return ("constant", repr(value))
-
-
 class _Unsplittable(Exception):
     pass
 
@@ -188,107 +124,173 @@ class _Unsplittable(Exception):
 def split(gm: fx.GraphModule) -> Stitched | None:
     """``gm`` as regions (none compiled yet), or None where it is better compiled whole."""
     prefix = layer_list(gm)
-    if prefix is None:
-        return None
-    if any(n.op == "call_module" for n in gm.graph.nodes):
+    if prefix is None or any(n.op == "call_module" for n in gm.graph.nodes):
         return None
     try:
-        return _split(gm, prefix)
-    except _Unsplittable as e:
-        log.info("compiling the graph whole: %s", e)
+        return _Splitter(gm, prefix).stitched()
+    except Exception as e:  # whatever stops the split, the graph is still compiled, whole
+        log.info("compiling the graph whole: %s: %s", type(e).__name__, e)
         return None
 
 
-def _split(gm: fx.GraphModule, prefix: str) -> Stitched:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    # the mode the graph was traced in (Dynamo's; the tracing context may hold a later one)
-    fake_mode = next((v.fake_mode for v in map(_value, placeholders) if hasattr(v, "fake_mode")), None)
-    if fake_mode is None:
-        raise _Unsplittable("its inputs have no traced values")
-    run_of = _runs(gm, prefix)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+class _Splitter:
+    """Cuts a graph into runs and builds each run's graph."""
 
-    slot_of: dict[fx.Node, int] = {n: i for i, n in enumerate(placeholders)}
-    values: dict[fx.Node, Any] = {n: _value(n) for n in placeholders}
-    constants: dict[int, Any] = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            tensor = _fetch(gm, node.target)
-            slot_of[node] = len(slot_of)
-            constants[slot_of[node]] = tensor
-            values[node] = fake_mode.from_tensor(tensor, static_shapes=True) if isinstance(tensor, torch.Tensor) else tensor
-    runs: dict[int, list[fx.Node]] = {}
-    for node, run in run_of.items():
-        runs.setdefault(run, []).append(node)
+    def __init__(self, gm: fx.GraphModule, prefix: str):
+        self.gm, self.prefix = gm, prefix
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # the mode the graph was traced in (Dynamo's; the tracing context may hold a later one)
+        self.fake_mode = next((v.fake_mode for v in map(meta_value, placeholders) if hasattr(v, "fake_mode")), None)
+        if self.fake_mode is None:
+            raise _Unsplittable("its inputs have no traced values")
+        self.values: dict[fx.Node, Any] = {n: meta_value(n) for n in placeholders}
+        self.slot_of: dict[fx.Node, int] = {n: i for i, n in enumerate(placeholders)}
+        self.constants: dict[int, Any] = {}
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                value = operator.attrgetter(node.target)(gm)
+                self.slot_of[node] = len(self.slot_of)
+                self.constants[self.slot_of[node]] = value
+                is_tensor = isinstance(value, torch.Tensor)
+                self.values[node] = self.fake_mode.from_tensor(value, static_shapes=True) if is_tensor else value
+        # the graph's inputs that are symbols, by symbol: a region whose inputs' sizes hold one takes it
+        self.symbols = {v.node.expr: n for n, v in self.values.items() if isinstance(v, torch.SymInt)}
+        self.run_of = self._runs()
 
-    # each run's graph: its nodes, a placeholder per value read from outside, a copy of each
-    # scalar it reads from another run
-    built: list[tuple[fx.Graph, dict[fx.Node, fx.Node], list[fx.Node], list[fx.Node]]] = []
-    for run in sorted(runs):
-        nodes = sorted(runs[run], key=order.__getitem__)
-        graph, env, inputs = fx.Graph(), {}, []
+    def value(self, node: fx.Node) -> Any:
+        """``node``'s traced value; for a node a pass inserted without one, computed from its
+        arguments' under the graph's fake mode."""
+        if node not in self.values:
+            value = meta_value(node)
+            if value is None and node.op in ("call_function", "call_method"):
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.value)
+                with self.fake_mode:
+                    if node.op == "call_function":
+                        value = node.target(*args, **kwargs)
+                    else:
+                        value = getattr(args[0], node.target)(*args[1:], **kwargs)
+            self.values[node] = value
+        return self.values[node]
 
-        def read(source: fx.Node, graph=graph, env=env, inputs=inputs) -> fx.Node:
-            if source not in env:
-                value = _traced(source, fake_mode, values)
-                if source in run_of and _scalar(value):
-                    env[source] = copy(source, graph, env, inputs)  # a size or other scalar: computed again
-                    return env[source]
-                if not isinstance(value, torch.Tensor) and source in run_of:
-                    raise _Unsplittable(f"node {source.name} hands a {type(value).__name__} to another region")
-                env[source] = graph.placeholder(f"arg{len(inputs)}")
-                env[source].meta["example_value"] = value  # as Dynamo records it (AOTAutograd's cache reads it)
-                inputs.append(source)
-            return env[source]
+    def _runs(self) -> dict[fx.Node, int]:
+        """Each computing node's run: a new one starts where the layer a node is attributed to
+        changes; a node attributed to no module stays in the run it is in; an item of a
+        multi-output op goes with the op."""
+        run_of: dict[fx.Node, int] = {}
+        run, current = 0, None
+        for node in self.gm.graph.nodes:
+            if node.op in ("placeholder", "get_attr", "output"):
+                continue
+            source = node.args[0] if node.target is operator.getitem else None
+            if source in run_of and isinstance(self.value(source), (tuple, list)):
+                run_of[node] = run_of[source]
+                continue
+            fqn = node.meta.get("fxlora_module")
+            if fqn is not None:
+                match = _INDEX.match(fqn)
+                owner = int(match[2]) if match and match[1] == self.prefix else "outside"
+                if current is not None and owner != current:
+                    run += 1
+                current = owner
+            run_of[node] = run
+        return run_of
 
-        def copy(node: fx.Node, graph=graph, env=env, inputs=inputs) -> fx.Node:
-            def read_here(source: fx.Node) -> fx.Node:
-                return read(source, graph, env, inputs)
+    def stitched(self) -> Stitched:
+        runs: dict[int, list[fx.Node]] = {}
+        for node in self.gm.graph.nodes:  # in graph order
+            if node in self.run_of:
+                runs.setdefault(self.run_of[node], []).append(node)
+        built = [_Run(self, nodes) for _, nodes in sorted(runs.items())]
 
-            args = fx.node.map_arg(node.args, read_here)
-            kwargs = fx.node.map_arg(node.kwargs, read_here)
-            made = graph.create_node(node.op, node.target, args, kwargs, type_expr=node.type)
-            made.meta = dict(node.meta)
-            return made
+        # the values each run hands on: read by a later run or the graph's output
+        output_node = self.gm.graph.output_node()
+        exported = {n for run in built for n in run.inputs if n in self.run_of}
+        for source in output_node.all_input_nodes:
+            if source in self.run_of:
+                if not isinstance(self.value(source), torch.Tensor):
+                    raise _Unsplittable(f"the graph returns node {source.name}, a {type(self.value(source)).__name__}")
+                exported.add(source)
 
+        distinct: dict[Any, Region] = {}
+        steps: list[Step] = []
+        for run in built:
+            outputs = [n for n in run.nodes if n in exported]
+            region_gm, example_inputs, key = run.finish(outputs)
+            region = distinct.setdefault(key, Region(region_gm, example_inputs))
+            for n in outputs:
+                self.slot_of[n] = len(self.slot_of)
+            steps.append(Step(region, [self.slot_of[n] for n in run.inputs], [self.slot_of[n] for n in outputs]))
+        output = fx.node.map_arg(output_node.args[0], lambda n: _Slot(self.slot_of[n]))
+        _plan_frees(steps, output)
+        return Stitched(steps, len(self.slot_of), self.constants, output)
+
+
+class _Run:
+    """The graph of one run: its nodes, a placeholder per value read from outside, a copy of
+    each scalar it reads from another run."""
+
+    def __init__(self, splitter: _Splitter, nodes: list[fx.Node]):
+        self.splitter, self.nodes = splitter, nodes
+        self.graph, self.env, self.inputs = fx.Graph(), {}, []
+        self.constants: list[Any] = []  # tensors held in nodes' arguments, which the code does not print
         for node in nodes:
-            env[node] = copy(node)
-        built.append((graph, env, inputs, nodes))
+            self.env[node] = self.rebuild(node)
+        # a symbol in the inputs' sizes that no input's size is: Inductor reads it from an input of its own
+        symbols = set().union(*(free_symbols(self.splitter.value(n)) for n in self.inputs))
+        for symbol in sorted(symbols, key=str):
+            if symbol not in self.splitter.symbols:
+                raise _Unsplittable(f"symbol {symbol} in a region's input sizes is no input of the graph")
+            self.read(self.splitter.symbols[symbol])
 
-    # the values each run hands on: read by a later run or the graph's output
-    output_node = gm.graph.output_node()
-    exported = {n for _, _, inputs, _ in built for n in inputs if n in run_of}
-    for source in output_node.all_input_nodes:
-        if source in run_of:
-            if not isinstance(_value(source), torch.Tensor):
-                raise _Unsplittable(f"the graph returns node {source.name}, a {type(_value(source)).__name__}")
-            exported.add(source)
+    def read(self, source: fx.Node) -> fx.Node:
+        if source not in self.env:
+            value = self.splitter.value(source)
+            computed = source in self.splitter.run_of
+            if computed and isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+                self.env[source] = self.rebuild(source)  # a size or other scalar: computed again here
+                return self.env[source]
+            if computed and not isinstance(value, torch.Tensor):
+                raise _Unsplittable(f"node {source.name} hands a {type(value).__name__} to another region")
+            self.env[source] = self.graph.placeholder(f"arg{len(self.inputs)}")
+            self.env[source].meta["example_value"] = value  # as Dynamo records it (AOTAutograd's cache reads it)
+            self.inputs.append(source)
+        return self.env[source]
 
-    distinct: dict[Any, Region] = {}
-    steps: list[Step] = []
-    for graph, env, inputs, nodes in built:
-        outputs = [n for n in nodes if n in exported]
-        graph.output(tuple(env[n] for n in outputs))
-        region_gm = fx.GraphModule(torch.nn.Module(), graph)
-        example_inputs = [_traced(n, fake_mode, values) for n in inputs]
-        aliases: dict[Any, int] = {}
-        key = (region_gm.code, tuple(_describe(v, aliases, i) for i, v in enumerate(example_inputs)))
-        region = distinct.setdefault(key, Region(region_gm, example_inputs))
-        region.count += 1
-        for n in outputs:
-            slot_of[n] = len(slot_of)
-        steps.append(Step(region, [slot_of[n] for n in inputs], [slot_of[n] for n in outputs]))
+    def rebuild(self, node: fx.Node) -> fx.Node:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.read)
+        fx.node.map_aggregate((args, kwargs), lambda a: self.constants.append(a) if isinstance(a, torch.Tensor) else None)
+        made = self.graph.create_node(node.op, node.target, args, kwargs, type_expr=node.type)
+        made.meta = dict(node.meta)
+        return made
 
-    output = fx.node.map_arg(output_node.args[0], lambda n: _Slot(slot_of[n]))
-    _plan_frees(steps, output)
-    return Stitched(steps, len(slot_of), constants, output, list(distinct.values()))
+    def finish(self, outputs: list[fx.Node]) -> tuple[fx.GraphModule, list[Any], Any]:
+        """The run's graph module returning ``outputs``, its example inputs, and its key:
+        what its compiled code depends on."""
+        self.graph.output(tuple(self.env[n] for n in outputs))
+        region_gm = fx.GraphModule(torch.nn.Module(), self.graph)
+        example_inputs = [self.splitter.value(n) for n in self.inputs]
+        storages: dict[Any, int] = {}
+        described = tuple(_describe(v, storages) for v in example_inputs)
+        return region_gm, example_inputs, (region_gm.code, described, tuple(id(t) for t in self.constants))
 
 
-def _fetch(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for name in target.split("."):
-        value = getattr(value, name)
-    return value
+def _describe(value: Any, storages: dict[Any, int]) -> Any:
+    """What a region's compiled code may depend on of one input: for a tensor its type,
+    dtype, device, sizes, strides, offset and which storage among the region's inputs it
+    views (for a subclass, its layout and its inner tensors); for a scalar its expression."""
+    if isinstance(value, torch.Tensor):
+        described: tuple = (
+            type(value).__name__, value.dtype, str(value.device), value.requires_grad,
+            tuple(map(str, value.shape)), tuple(map(str, value.stride())),
+        )  # fmt: skip
+        if is_traceable_wrapper_subclass(value):
+            names, context = value.__tensor_flatten__()
+            return (*described, repr(context), tuple(_describe(getattr(value, n), storages) for n in names))
+        storage = StorageWeakRef(value.untyped_storage())
+        return (*described, str(value.storage_offset()), storages.setdefault(storage, len(storages)))
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("symbol", str(value.node.expr))
+    return ("constant", repr(value))
 
 
 def _plan_frees(steps: Sequence[Step], output: Any) -> None:
