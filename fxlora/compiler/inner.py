@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 import fxlora.ops
 from fxlora.compiler import regions
 from fxlora.compiler.arena import WORKSPACES
+from fxlora.compiler.graph_edit import meta_value
 from fxlora.ops.moe_lora import local_routing
 
 INNER = ("eager", "inductor")
@@ -177,12 +178,12 @@ def _composition(target: Any) -> Callable[..., Any] | None:
 
 
 def _on_cuda(node: fx.Node) -> bool:
-    value = node.meta.get("val", node.meta.get("example_value"))
+    value = meta_value(node)
     return isinstance(value, torch.Tensor) and value.is_cuda
 
 
 def _reads_subclass(node: fx.Node) -> bool:
-    values = (a.meta.get("val", a.meta.get("example_value")) for a in node.all_input_nodes)
+    values = (meta_value(a) for a in node.all_input_nodes)
     return any(is_traceable_wrapper_subclass(v) for v in values)
 
 
@@ -216,7 +217,7 @@ def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
 
 
 def _traced_value(node: fx.Node) -> Any:
-    value = node.meta.get("val", node.meta.get("example_value"))
+    value = meta_value(node)
     if value is None:
         raise RuntimeError(f"graph input {node.target!r} has no traced value for Inductor to trace from")
     return value
