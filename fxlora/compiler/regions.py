@@ -15,8 +15,8 @@ where it is read (its producing nodes copied along), an item of a multi-output o
 the op, and a region whose inputs' sizes hold a symbol takes that symbol as an input too, as
 Dynamo's graph does. Nodes keep their order: a node attributed to no module (one a pass
 inserted) stays in the run it is in. A graph without a layer list, or one that does not split
-cleanly (a value of unknown kind crossing, a symbol the graph does not take, a
-``call_module``), is compiled whole.
+cleanly (a value of unknown kind crossing, a symbol the graph does not take, a tensor held
+in a node's arguments, a ``call_module``), is compiled whole.
 
 What regions cost: Inductor fuses nothing across a region's border (the residual add closing a
 layer and the norm opening the next are two kernels), and a call runs one Python call per
@@ -77,8 +77,7 @@ class Stitched:
         for slot, value in self.constants.items():
             env[slot] = value
         for step in self.steps:
-            results = step.region.compiled(*[env[i] for i in step.inputs])
-            for slot, value in zip(step.outputs, results, strict=True):
+            for slot, value in zip(step.outputs, step.region.compiled(*[env[i] for i in step.inputs]), strict=True):
                 env[slot] = value
             for slot in step.frees:
                 env[slot] = None
@@ -129,7 +128,7 @@ def split(gm: fx.GraphModule) -> Stitched | None:
     try:
         return _Splitter(gm, prefix).stitched()
     except Exception as e:  # whatever stops the split, the graph is still compiled, whole
-        log.info("compiling the graph whole: %s: %s", type(e).__name__, e)
+        log.warning("compiling the graph whole: %s: %s", type(e).__name__, e, exc_info=not isinstance(e, _Unsplittable))
         return None
 
 
@@ -158,17 +157,15 @@ class _Splitter:
         self.run_of = self._runs()
 
     def value(self, node: fx.Node) -> Any:
-        """``node``'s traced value; for a node a pass inserted without one, computed from its
-        arguments' under the graph's fake mode."""
+        """``node``'s traced value; for an op a pass inserted without one, computed from its
+        arguments' under the graph's fake mode (only ops and their items: anything else, such
+        as an autocast context Dynamo recorded, would run for real)."""
         if node not in self.values:
             value = meta_value(node)
-            if value is None and node.op in ("call_function", "call_method"):
+            if value is None and (isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem):
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.value)
                 with self.fake_mode:
-                    if node.op == "call_function":
-                        value = node.target(*args, **kwargs)
-                    else:
-                        value = getattr(args[0], node.target)(*args[1:], **kwargs)
+                    value = node.target(*args, **kwargs)
             self.values[node] = value
         return self.values[node]
 
@@ -232,7 +229,6 @@ class _Run:
     def __init__(self, splitter: _Splitter, nodes: list[fx.Node]):
         self.splitter, self.nodes = splitter, nodes
         self.graph, self.env, self.inputs = fx.Graph(), {}, []
-        self.constants: list[Any] = []  # tensors held in nodes' arguments, which the code does not print
         for node in nodes:
             self.env[node] = self.rebuild(node)
         # a symbol in the inputs' sizes that no input's size is: Inductor reads it from an input of its own
@@ -258,7 +254,7 @@ class _Run:
 
     def rebuild(self, node: fx.Node) -> fx.Node:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.read)
-        fx.node.map_aggregate((args, kwargs), lambda a: self.constants.append(a) if isinstance(a, torch.Tensor) else None)
+        fx.node.map_aggregate((args, kwargs), _no_tensor)
         made = self.graph.create_node(node.op, node.target, args, kwargs, type_expr=node.type)
         made.meta = dict(node.meta)
         return made
@@ -271,7 +267,12 @@ class _Run:
         example_inputs = [self.splitter.value(n) for n in self.inputs]
         storages: dict[Any, int] = {}
         described = tuple(_describe(v, storages) for v in example_inputs)
-        return region_gm, example_inputs, (region_gm.code, described, tuple(id(t) for t in self.constants))
+        return region_gm, example_inputs, (region_gm.code, described)
+
+
+def _no_tensor(arg: Any) -> None:
+    if isinstance(arg, torch.Tensor):  # a region's code would not hold its values
+        raise _Unsplittable("a node holds a tensor in its arguments")
 
 
 def _describe(value: Any, storages: dict[Any, int]) -> Any:
