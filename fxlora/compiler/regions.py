@@ -231,7 +231,8 @@ class _Run:
         self.graph, self.env, self.inputs = fx.Graph(), {}, []
         for node in nodes:
             self.env[node] = self.rebuild(node)
-        # a symbol in the inputs' sizes that no input's size is: Inductor reads it from an input of its own
+        # every symbol the inputs' sizes hold, as an input of its own, where Inductor reads it (a mask's
+        # past + new columns name no symbol Inductor could read off a size)
         symbols = set().union(*(free_symbols(self.splitter.value(n)) for n in self.inputs))
         for symbol in sorted(symbols, key=str):
             if symbol not in self.splitter.symbols:
