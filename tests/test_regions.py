@@ -1,9 +1,11 @@
 """Regional compilation: Inductor compiles a decoder's layers as regions, identical ones once,
 and the regions called in order compute what the whole graph does, under dynamic shapes and
 with writes into the graph's inputs between them; a layer whose code differs (an adapter on
-some layers only) is compiled apart; a graph without a layer list is compiled whole."""
+some layers only) is compiled apart; a graph without a layer list is compiled whole, and so is
+one whose split would have to run a recorded context manager to learn its value."""
 
 import torch
+import torch.fx as fx
 from peft import LoraConfig
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -86,6 +88,26 @@ def test_regions_compute_what_the_graph_does_under_dynamic_shapes():
         torch.testing.assert_close(args[3], expected_cache, rtol=1e-5, atol=1e-5)
     # the mask's prologue with the first layer, two identical layers, the last with the doubling
     assert [c.regions.describe() for c in compiled] == ["4 regions, 3 compiled"]
+
+
+def test_a_context_across_layers_stops_the_split_without_being_entered():
+    # a context manager Dynamo records as calls (autocast) with no traced value: the split must
+    # not run it to learn its value, as that would enter it for real
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["example_value"] = FakeTensorMode().from_tensor(torch.randn(2, 4))
+    context = graph.call_function(_enter_autocast, ("cpu", torch.bfloat16, True, None))
+    h = x
+    for i in range(3):
+        h = graph.call_function(torch.relu, (h,))
+        h.meta["fxlora_module"] = f"layers.{i}"
+    graph.call_function(_exit_autocast, (context,))
+    graph.output((h,))
+    assert regions.split(fx.GraphModule(torch.nn.Module(), graph)) is None
+    assert not torch.is_autocast_enabled("cpu")
 
 
 def test_a_graph_without_a_layer_list_is_compiled_whole():
