@@ -110,8 +110,8 @@ def test_a_second_process_takes_both_variants_from_the_cache(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    cold = run("1")  # each variant's regions; the regions two variants share come from the cache the second time
-    assert cold.get("autograd_cache_saved", 0) >= 2 and "autograd_cache_bypass" not in cold, cold
+    cold = run("1")  # each variant's regions, saved; the regions two variants share come from the cache the second time
+    assert cold.get("autograd_cache_saved", 0) + cold.get("autograd_cache_hit", 0) == cold["total"] >= 2, cold
     warm = run("2")
     assert warm.get("autograd_cache_hit") == cold["total"] and "autograd_cache_miss" not in warm, warm
 
