@@ -105,6 +105,27 @@ def test_hot_swap_needs_no_retrace(setup):
     assert cm.compile_count == compiles
 
 
+def test_prefill_at_its_graph_shape_equals_peft(setup, monkeypatch):
+    """The layout a prefill replays from a CUDA graph at (rows up to the batch bucket, the
+    prompts left-padded to a length bucket), run eagerly here: the same tokens as PEFT, and
+    one set of static inputs per shape."""
+    model, _, cm, peft_model = setup
+    rt = cm.prepare()
+    monkeypatch.setattr(rt.graphs, "enabled", True)
+    monkeypatch.setattr(rt.graphs, "run_captured", lambda key, fn: fn(key))
+    monkeypatch.setattr(rt.graphs, "run", lambda key, fn: fn(key))
+    assert rt.prefill_shape(3, 6, MAX_NEW) == (4, 16)
+    assert rt.prefill_shape(3, 6, 20) is None  # 16 + 20 columns exceed max_len=32
+    names = ["b", None, "a"]
+    for seed in (11, 12):
+        ids, mask = prompts(3, 6, model.config.vocab_size, seed=seed)
+        out = cm.generate(ids, mask, adapter_names=names, max_new_tokens=MAX_NEW, eos_token_id=(), pad_token_id=0)
+        ref = reference_generate(model, peft_model, names, ids, mask, MAX_NEW, None, 0)
+        assert torch.equal(out[:, ids.shape[1] :], ref)
+        assert torch.equal(out[:, : ids.shape[1]].ne(0).sum(1), mask.sum(1))
+    assert set(rt._prefill_inputs) == {(4, 16)}
+
+
 def test_generate_errors(setup):
     model, adapters, cm, _ = setup
     ids, mask = prompts(2, 4, model.config.vocab_size, seed=1)

@@ -124,7 +124,8 @@ def test_bf16_generation_agrees_with_peft():
     mask[1, :4] = 0
     mask[5, :2] = 0
     ids = ids * mask
-    out = cm.generate(ids, mask, adapter_names=names, max_new_tokens=38, eos_token_id=())
+    out = cm.generate(ids, mask, adapter_names=names, max_new_tokens=32, eos_token_id=())  # prefill from a graph
+    assert ("prefill", "lora", 8, 16) in cm.prepare().graphs.graphs
     # PEFT's greedy choice at every step, given the same prefix
     full_mask = torch.cat([mask, torch.ones_like(out[:, ids.shape[1] :])], 1)
     fixed = out[:, : ids.shape[1]].ne(0).long()  # the prompt comes back left-padded
@@ -277,6 +278,42 @@ def test_generate_with_an_end_token_does_not_synchronise_per_step():
     assert torch.equal(out, expected)
     row = out[0, 7:].tolist()
     assert row.index(eos) <= 12 and all(t == 0 for t in row[row.index(eos) + 1 :])  # padded after its end token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_short_prefills_replay_from_graphs_captured_on_first_use(dtype):
+    """A short prefill replays from a CUDA graph captured on first use, at its rows' batch
+    bucket and its prompts' length bucket: the same logits as that prefill run eagerly, one
+    graph per (variant, rows, length) whatever the prompts, and in float32 generation that
+    agrees with PEFT (in bf16 the 60 tokens here are too few for the near-tie statistics;
+    ``test_bf16_generation_agrees_with_peft`` prefills from a graph too)."""
+    _, model, adapters, cm = _served(dtype)
+    rt = cm.prepare()
+    decode_graphs = set(rt.graphs.graphs)
+    gen = torch.Generator().manual_seed(7)
+    names = ["a", None, "c"]
+    for length in (10, 13):  # both prefill at 16 columns, rows at the bucket of 4
+        ids = torch.randint(3, 200, (3, length), generator=gen).cuda()
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        ids = ids * mask
+        out = cm.generate(ids, mask, adapter_names=names, max_new_tokens=20, eos_token_id=())
+        if dtype != torch.float32:
+            continue
+        full_mask = torch.cat([out[:, :length].ne(0).long(), torch.ones_like(out[:, length:])], 1)
+        logits = reference_logits(model, peft_model_with(model, adapters), names, input_ids=out, attention_mask=full_mask)
+        assert_greedy_agrees(out[:, length:], logits[:, length - 1 : -1], "PEFT")
+    for variant, rows in (("lora", 3), ("nolora", 2)):
+        cm.generate(ids[:rows], mask[:rows], adapter_names=[None] * rows if variant == "nolora" else names, max_new_tokens=4)
+    added = set(rt.graphs.graphs) - decode_graphs
+    assert added == {("prefill", "lora", 4, 16), ("prefill", "nolora", 2, 16)}
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for key in sorted(added):
+        replayed = rt.graphs.run(key, rt._prefill).clone()
+        eager = rt._prefill(key)
+        err = ((replayed.float() - eager.float()).norm() / eager.float().norm()).item()
+        assert err < tol, (key, err)
+    assert "and 2 prefills" in cm.explain()
 
 
 def test_bf16_logits_with_inductor_match_peft_by_per_token_kl():

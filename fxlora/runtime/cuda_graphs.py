@@ -1,10 +1,12 @@
 """CUDA-graph capture and replay of whole model steps, sharing one memory pool.
 
 A :class:`GraphSet` captures a callable once per key (for the decode runtime: a
-``(variant, batch bucket)`` pair) after a warm-up on a side stream, keeps the outputs the
-capture produced (static tensors every replay rewrites), and replays by key. All graphs of
-a set allocate from one private pool, captured largest first so smaller ones reuse its
-blocks. When graphs cannot be used (no CUDA, or a capture fails) the set says why once, in
+``(variant, batch bucket)`` pair, up front; a prefill's shape, on first use) after a warm-up
+on a side stream, keeps the outputs the capture produced (static tensors every replay
+rewrites), and replays by key. All graphs of
+a set allocate from one private pool: the decode steps captured largest first so smaller ones
+reuse its blocks, a later graph taking freed blocks where they fit (graphs replay one at a
+time, so their scratch may overlap). When graphs cannot be used (no CUDA, or a capture fails) the set says why once, in
 a logged warning, and runs the callable eagerly instead: slower, never wrong.
 
 :meth:`GraphSet.call` serves callers that own no static buffers (``torch.compile(...,
@@ -59,8 +61,7 @@ class GraphSet:
                 self.fallback_reason = f"capturing {key} failed: {type(e).__name__}: {e}"
                 self._warn()
                 return
-        self.capture_seconds += time.perf_counter() - start
-        log.info("captured %d CUDA graphs in %.1f s", len(keys), time.perf_counter() - start)
+        log.info("warmed up and captured %d CUDA graphs in %.1f s", len(keys), time.perf_counter() - start)
 
     def _capture_one(
         self, fn: Callable[[Hashable], Any], key: Hashable, warmups: int = 2
@@ -71,13 +72,14 @@ class GraphSet:
             for _ in range(warmups):  # first calls compile kernels and set up cuBLAS workspaces
                 fn(key)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        graph, start = torch.cuda.CUDAGraph(), time.perf_counter()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
                 out = fn(key)
         except Exception:
             _release_generator(self.device)
             raise
+        self.capture_seconds += time.perf_counter() - start  # the capture alone, not the warm-ups
         return graph, out
 
     def run(self, key: Hashable, fn: Callable[[Hashable], Any]) -> Any:
@@ -89,6 +91,23 @@ class GraphSet:
         graph, out = entry
         graph.replay()
         return out
+
+    def run_captured(self, key: Hashable, fn: Callable[[Hashable], Any]) -> Any:
+        """Replay the graph of ``key``, warming up and capturing it on first use. A key whose
+        capture fails runs ``fn(key)`` eagerly from then on, said once in a logged warning;
+        the set's other graphs stay."""
+        if not self.enabled or key in self._refused:
+            return fn(key)
+        if key not in self.graphs:
+            start = time.perf_counter()
+            try:
+                self.graphs[key] = self._capture_one(fn, key)
+            except Exception as e:  # noqa: BLE001 - as in capture(), for this key alone
+                self._refused.add(key)
+                log.warning("graph %s runs without CUDA graphs: capturing it failed: %s: %s", key, type(e).__name__, e)
+                return fn(key)
+            log.info("warmed up and captured the CUDA graph of %s in %.2f s", key, time.perf_counter() - start)
+        return self.run(key, fn)
 
     def call(self, key: Hashable, fn: Callable[..., Any], args: tuple, uncapturable: str | None = None) -> Any:
         """``fn(*args)``, replayed from a graph captured for ``key`` and the signature of
@@ -124,10 +143,8 @@ class GraphSet:
                 for i, (a, v) in enumerate(zip(args, versions))
                 if isinstance(a, torch.Tensor) and (v is None or _version(a) != v)
             }
-            start = time.perf_counter()
             try:
                 self._calls[sig] = _Captured(self, fn, args, mutated)
-                self.capture_seconds += time.perf_counter() - start
             except Exception as e:  # noqa: BLE001 - as in capture(): run eagerly from now on, and say why
                 self._calls.clear()
                 self.enabled = False

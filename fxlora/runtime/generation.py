@@ -7,6 +7,12 @@ step writes the new values into them, picks the graph from the host-side adapter
 (``nolora`` when no row has an adapter: no LoRA work, no batch-info prologue), replays it,
 and reads the logits of the real rows. Prompts are laid out left-padded: every row writes
 the same cache column at each step, and padding stays masked.
+
+A short prefill is bound by the host (a LoRA op called eagerly holds it for a few hundred
+µs), so one of at most :data:`PREFILL_GRAPH_TOKENS` tokens is replayed from a CUDA graph
+too: its rows padded to the batch bucket, its prompts left-padded to a length bucket (a power
+of two), the graph of each ``(variant, rows, length)`` captured on first use. Longer
+prefills run eagerly at their own length.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from fxlora.runtime.routing import use_slots
 log = logging.getLogger(__name__)
 
 VARIANTS = ("nolora", "lora")
+PREFILL_GRAPH_TOKENS = 4096  # the most tokens (batch bucket x length bucket) a prefill replays from a CUDA graph
+PREFILL_MIN_LENGTH = 16  # the shortest length bucket
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -77,6 +85,7 @@ class DecodeRuntime:
         self.mask = torch.full((rows, 1, 1, max_len), _masked(self.dtype), dtype=self.dtype, device=dev)
         self.slot_ids = torch.full((rows,), -1, dtype=torch.int32, device=dev)
         self.column = torch.zeros(1, dtype=torch.long, device=dev)
+        self._prefill_inputs: dict[tuple[int, int], _PrefillInputs] = {}  # by (rows, length): a captured prefill's
         forward = inspect.signature(model.forward).parameters
         self._extra = {k: v for k, v in (("logits_to_keep", 1), ("cache_position", None)) if k in forward}
         self._cache_keyword = cache_keyword(model)
@@ -128,12 +137,33 @@ class DecodeRuntime:
         ids, positions, mask = (rows_of(t, rows) for t in (self.ids, self.positions, self.mask))
         return self._call(rows, ids, positions, mask, self.column, slot_ids)
 
+    def _prefill(self, key: tuple[str, str, int, int]) -> torch.Tensor:
+        _, variant, rows, length = key
+        inputs = self._prefill_inputs[(rows, length)]
+        slot_ids = inputs.slot_ids if variant == "lora" else None
+        return self._call(rows, inputs.ids, inputs.positions, inputs.mask, inputs.columns, slot_ids)
+
+    def prefill_shape(self, rows: int, prompt_len: int, max_new_tokens: int) -> tuple[int, int] | None:
+        """The ``(rows, length)`` a prefill replays from a CUDA graph at, or None when it runs
+        eagerly: no CUDA graphs, more than :data:`PREFILL_GRAPH_TOKENS` tokens, or no room in
+        the cache for the padded prompt and the new tokens."""
+        if not self.graphs.enabled:
+            return None
+        length = max(PREFILL_MIN_LENGTH, 1 << (prompt_len - 1).bit_length())
+        bucket = self.bucket_for(rows)
+        if bucket * length > PREFILL_GRAPH_TOKENS or length + max_new_tokens > self.max_len:
+            return None
+        return bucket, length
+
     def describe(self) -> list[str]:
         roles = "lora and nolora"
         lines = [f"decode steps: batch buckets {self.buckets}, each with a {roles} graph"]
         if self.graphs.graphs:
+            prefills = sum(key[0] == "prefill" for key in self.graphs.graphs)
             lines.append(
-                f"CUDA graphs: {len(self.graphs.graphs)} captured ({roles} x buckets) in {self.graphs.capture_seconds:.1f} s"
+                f"CUDA graphs: {len(self.graphs.graphs) - prefills} decode steps ({roles} x buckets) and {prefills} "
+                f"prefills (up to {PREFILL_GRAPH_TOKENS} tokens, captured on first use), captured in "
+                f"{self.graphs.capture_seconds:.1f} s"
             )
         else:
             lines.append(f"CUDA graphs: none, decode steps run eagerly ({self.graphs.fallback_reason or 'turned off'})")
@@ -204,28 +234,37 @@ class DecodeRuntime:
         pad = pad_token_id if pad_token_id is not None else eos_ids[0] if eos_ids else 0
         ids, keep = _left_align(input_ids.to(self.device), attention_mask, pad)
 
-        # prefill: the whole prompt, causal and padding-masked, into cache columns [0, prompt_len).
-        # One row prefills as two: Dynamo specialises a dimension of size 1, so a one-row prefill
-        # would be a trace and compile of its own (the default decode buckets start at 2 for the
-        # same reason). The second row repeats the first with no adapter; its results are dropped.
-        extra = int(rows == 1 and self.max_batch_size > 1)
-        prefill_ids, prefill_keep = (torch.cat([ids, ids]), torch.cat([keep, keep])) if extra else (ids, keep)
+        # prefill: the whole prompt, causal and padding-masked, into cache columns [0, length), replayed from a
+        # CUDA graph at a bucketed shape when short (prefill_shape), else run at its own length. Extra rows repeat
+        # the first with no adapter and their results are dropped; eagerly, one row prefills as two: Dynamo
+        # specialises a dimension of size 1, so a one-row prefill would be a trace and compile of its own (the
+        # default decode buckets start at 2 for the same reason).
+        captured = self.prefill_shape(rows, prompt_len, max_new_tokens)
+        prefill_rows, length = captured or (rows + int(rows == 1 and self.max_batch_size > 1), prompt_len)
+        prefill_ids, prefill_keep = _pad_prompts(ids, keep, prefill_rows, length, pad)
         positions = (prefill_keep.long().cumsum(1) - 1).clamp(min=0)
-        columns = torch.arange(prompt_len, device=self.device)
+        columns = torch.arange(length, device=self.device)
         visible = prefill_keep[:, None, None, :] & (columns[None, :, None] >= columns[None, None, :])[:, None]
-        shape = (rows + extra, 1, prompt_len, self.max_len)
+        shape = (prefill_rows, 1, length, self.max_len)
         mask = torch.full(shape, _masked(self.dtype), dtype=self.dtype, device=self.device)
-        mask[..., :prompt_len].masked_fill_(visible, 0.0)
+        mask[..., :length].masked_fill_(visible, 0.0)
         variant = "lora" if any(s >= 0 for s in slots) else "nolora"
         slot_ids = None
         if variant == "lora":
-            slot_ids = _to_device(torch.tensor(slots + [NO_ADAPTER] * extra, dtype=torch.int32), self.device)
+            slot_ids = _to_device(torch.tensor(slots + [NO_ADAPTER] * (prefill_rows - rows), dtype=torch.int32), self.device)
         with tracing_as("prefill"):
-            logits = self._call(rows + extra, prefill_ids, positions, mask, columns, slot_ids)[:rows]
+            if captured:
+                inputs = self._prefill_inputs.get(captured)
+                if inputs is None:
+                    inputs = self._prefill_inputs[captured] = _PrefillInputs(prefill_ids, positions, mask, columns)
+                inputs.write(prefill_ids, positions, mask, slot_ids)
+                logits = self.graphs.run_captured(("prefill", variant, *captured), self._prefill)[:rows]
+            else:
+                logits = self._call(prefill_rows, prefill_ids, positions, mask, columns, slot_ids)[:rows]
 
         # decode state in the static buffers; each row keeps its slot for the whole call
         self.mask.fill_(_masked(self.dtype))
-        self.mask[:rows, 0, 0, :prompt_len].masked_fill_(keep, 0.0)
+        self.mask[:rows, 0, 0, :length].masked_fill_(prefill_keep[:rows], 0.0)
         self.positions[:rows, 0].copy_(keep.sum(1))
         if slot_ids is not None:
             self.slot_ids.fill_(NO_ADAPTER)
@@ -239,7 +278,7 @@ class DecodeRuntime:
             finished.update(step, tokens, eos)
             if step == max_new_tokens - 1 or finished.seen_all(step):
                 break
-            column = prompt_len + step
+            column = length + step
             self.ids[:rows, 0].copy_(tokens)
             self.column.fill_(column)
             self.mask[:, 0, 0, column] = 0.0
@@ -301,6 +340,33 @@ class _Finished:
             self.copied.record()
         else:
             self.copied = None
+
+
+class _PrefillInputs:
+    """The static inputs a captured prefill reads: token ids, positions, mask, cache columns
+    and the rows' slot ids, each call's values written into them."""
+
+    def __init__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, columns: torch.Tensor):
+        self.ids, self.positions, self.mask = ids.clone(), positions.clone(), mask.clone()
+        self.columns = columns.clone()
+        self.slot_ids = torch.full((ids.shape[0],), NO_ADAPTER, dtype=torch.int32, device=ids.device)
+
+    def write(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slot_ids: torch.Tensor | None) -> None:
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        self.mask.copy_(mask)
+        if slot_ids is not None:
+            self.slot_ids.copy_(slot_ids)
+
+
+def _pad_prompts(ids: torch.Tensor, keep: torch.Tensor, rows: int, length: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-aligned prompts ``ids`` (and their mask of real tokens ``keep``) left-padded to
+    ``length`` columns, with rows repeating the first up to ``rows``."""
+    more = length - ids.shape[1]
+    ids = torch.nn.functional.pad(ids, (more, 0), value=pad)
+    keep = torch.nn.functional.pad(keep, (more, 0), value=False)
+    extra = rows - ids.shape[0]
+    return torch.cat([ids, ids[:1].expand(extra, -1)]), torch.cat([keep, keep[:1].expand(extra, -1)])
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
