@@ -291,8 +291,8 @@ def test_short_prefills_replay_from_graphs_captured_on_first_use(dtype):
     rt = cm.prepare()
     decode_graphs = set(rt.graphs.graphs)
     gen = torch.Generator().manual_seed(7)
-    names = ["a", None, "c"]
-    for length in (10, 13):  # both prefill at 16 columns, rows at the bucket of 4
+    # both prefill at 16 columns, rows at the bucket of 4: the second replays the first's graph with other slots
+    for length, names in ((10, ["a", None, "c"]), (13, ["c", "b", None])):
         ids = torch.randint(3, 200, (3, length), generator=gen).cuda()
         mask = torch.ones_like(ids)
         mask[1, :3] = 0
@@ -314,6 +314,34 @@ def test_short_prefills_replay_from_graphs_captured_on_first_use(dtype):
         err = ((replayed.float() - eager.float()).norm() / eager.float().norm()).item()
         assert err < tol, (key, err)
     assert "and 2 prefills" in cm.explain()
+
+
+def test_a_failed_capture_on_first_use_leaves_that_key_eager(caplog):
+    """``GraphSet.run_captured``: a capture that fails leaves its key eager with one warning,
+    the set's other graphs replaying, the stream and the random numbers as they were; an error
+    of the callable itself propagates and refuses nothing."""
+    graphs = GraphSet(torch.device("cuda"))
+    graphs.capture([1], lambda key: torch.ones(2, device="cuda") * key, progress=False)
+
+    def step(key):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not allowed while capturing
+        return torch.ones(2, device="cuda") * key
+
+    def broken(key):
+        raise ValueError(f"bad input {key}")
+
+    stream = torch.cuda.current_stream()
+    with caplog.at_level(logging.WARNING, logger="fxlora"):
+        for _ in range(2):
+            assert torch.equal(graphs.run_captured(3, step), torch.full((2,), 3.0, device="cuda"))
+    assert set(graphs.graphs) == {1} and graphs.enabled and torch.cuda.current_stream() == stream
+    assert torch.equal(graphs.run(1, step), torch.ones(2, device="cuda"))
+    assert sum("capturing it failed" in r.message for r in caplog.records) == 1
+    with pytest.raises(ValueError, match="bad input 4"):
+        graphs.run_captured(4, broken)
+    assert 4 not in graphs._refused and torch.cuda.current_stream() == stream
+    torch.multinomial(torch.rand(8, device="cuda"), 2)
 
 
 def test_bf16_logits_with_inductor_match_peft_by_per_token_kl():

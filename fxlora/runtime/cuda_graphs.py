@@ -66,17 +66,29 @@ class GraphSet:
     def _capture_one(
         self, fn: Callable[[Hashable], Any], key: Hashable, warmups: int = 2
     ) -> tuple[torch.cuda.CUDAGraph, Any]:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(warmups):  # first calls compile kernels and set up cuBLAS workspaces
-                fn(key)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph, start = torch.cuda.CUDAGraph(), time.perf_counter()
+        self._warm_up(fn, key, warmups)
+        return self._capture(fn, key)
+
+    def _warm_up(self, fn: Callable[[Hashable], Any], key: Hashable, warmups: int) -> None:
+        """The first calls, on a side stream: they compile kernels and set up cuBLAS workspaces."""
+        side, current = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
+        side.wait_stream(current)
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.stream(side):
+                for _ in range(warmups):
+                    fn(key)
+        finally:
+            current.wait_stream(side)
+
+    def _capture(self, fn: Callable[[Hashable], Any], key: Hashable) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """Capture ``fn(key)``. Only this thread's CUDA calls must be capturable: other threads
+        may use the device meanwhile (a graph captured on first use, while an adapter loads)."""
+        graph, start, current = torch.cuda.CUDAGraph(), time.perf_counter(), torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = fn(key)
         except Exception:
+            torch.cuda.set_stream(current)  # a failed capture's end leaves its stream current
             _release_generator(self.device)
             raise
         self.capture_seconds += time.perf_counter() - start  # the capture alone, not the warm-ups
@@ -93,15 +105,16 @@ class GraphSet:
         return out
 
     def run_captured(self, key: Hashable, fn: Callable[[Hashable], Any]) -> Any:
-        """Replay the graph of ``key``, warming up and capturing it on first use. A key whose
-        capture fails runs ``fn(key)`` eagerly from then on, said once in a logged warning;
-        the set's other graphs stay."""
+        """Replay the graph of ``key``, warming up and capturing it on first use. An error in
+        the warm-up is ``fn``'s own and propagates; a key whose capture fails runs ``fn(key)``
+        eagerly from then on, said once in a logged warning, and the set's other graphs stay."""
         if not self.enabled or key in self._refused:
             return fn(key)
         if key not in self.graphs:
             start = time.perf_counter()
+            self._warm_up(fn, key, warmups=2)
             try:
-                self.graphs[key] = self._capture_one(fn, key)
+                self.graphs[key] = self._capture(fn, key)
             except Exception as e:  # noqa: BLE001 - as in capture(), for this key alone
                 self._refused.add(key)
                 log.warning("graph %s runs without CUDA graphs: capturing it failed: %s: %s", key, type(e).__name__, e)

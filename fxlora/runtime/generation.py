@@ -138,10 +138,23 @@ class DecodeRuntime:
         return self._call(rows, ids, positions, mask, self.column, slot_ids)
 
     def _prefill(self, key: tuple[str, str, int, int]) -> torch.Tensor:
+        """A prefill at a graph's shape, from the static inputs of that shape (positions and
+        mask derive from them inside, so a graph holds the mask only as scratch)."""
         _, variant, rows, length = key
         inputs = self._prefill_inputs[(rows, length)]
         slot_ids = inputs.slot_ids if variant == "lora" else None
-        return self._call(rows, inputs.ids, inputs.positions, inputs.mask, inputs.columns, slot_ids)
+        return self._call(rows, inputs.ids, *self._prefill_layout(inputs.keep), slot_ids)
+
+    def _prefill_layout(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Positions, 4-D additive mask (causal, padding masked, over the cache's ``max_len``
+        columns) and cache columns of a prefill whose real tokens ``keep`` marks."""
+        length = keep.shape[1]
+        positions = (keep.long().cumsum(1) - 1).clamp(min=0)
+        columns = torch.arange(length, device=keep.device)
+        visible = keep[:, None, None, :] & (columns[None, :, None] >= columns[None, None, :])[:, None]
+        mask = torch.full((keep.shape[0], 1, length, self.max_len), _masked(self.dtype), dtype=self.dtype, device=keep.device)
+        mask[..., :length].masked_fill_(visible, 0.0)
+        return positions, mask, columns
 
     def prefill_shape(self, rows: int, prompt_len: int, max_new_tokens: int) -> tuple[int, int] | None:
         """The ``(rows, length)`` a prefill replays from a CUDA graph at, or None when it runs
@@ -150,7 +163,8 @@ class DecodeRuntime:
         if not self.graphs.enabled:
             return None
         length = max(PREFILL_MIN_LENGTH, 1 << (prompt_len - 1).bit_length())
-        bucket = self.bucket_for(rows)
+        # one row prefills as two, as eagerly: Dynamo specialises a dimension of size 1
+        bucket = max(self.bucket_for(rows), min(2, self.max_batch_size))
         if bucket * length > PREFILL_GRAPH_TOKENS or length + max_new_tokens > self.max_len:
             return None
         return bucket, length
@@ -159,7 +173,7 @@ class DecodeRuntime:
         roles = "lora and nolora"
         lines = [f"decode steps: batch buckets {self.buckets}, each with a {roles} graph"]
         if self.graphs.graphs:
-            prefills = sum(key[0] == "prefill" for key in self.graphs.graphs)
+            prefills = sum(key[0] == "prefill" for key in list(self.graphs.graphs))  # a call may be adding one
             lines.append(
                 f"CUDA graphs: {len(self.graphs.graphs) - prefills} decode steps ({roles} x buckets) and {prefills} "
                 f"prefills (up to {PREFILL_GRAPH_TOKENS} tokens, captured on first use), captured in "
@@ -242,12 +256,6 @@ class DecodeRuntime:
         captured = self.prefill_shape(rows, prompt_len, max_new_tokens)
         prefill_rows, length = captured or (rows + int(rows == 1 and self.max_batch_size > 1), prompt_len)
         prefill_ids, prefill_keep = _pad_prompts(ids, keep, prefill_rows, length, pad)
-        positions = (prefill_keep.long().cumsum(1) - 1).clamp(min=0)
-        columns = torch.arange(length, device=self.device)
-        visible = prefill_keep[:, None, None, :] & (columns[None, :, None] >= columns[None, None, :])[:, None]
-        shape = (prefill_rows, 1, length, self.max_len)
-        mask = torch.full(shape, _masked(self.dtype), dtype=self.dtype, device=self.device)
-        mask[..., :length].masked_fill_(visible, 0.0)
         variant = "lora" if any(s >= 0 for s in slots) else "nolora"
         slot_ids = None
         if variant == "lora":
@@ -256,11 +264,12 @@ class DecodeRuntime:
             if captured:
                 inputs = self._prefill_inputs.get(captured)
                 if inputs is None:
-                    inputs = self._prefill_inputs[captured] = _PrefillInputs(prefill_ids, positions, mask, columns)
-                inputs.write(prefill_ids, positions, mask, slot_ids)
+                    inputs = self._prefill_inputs[captured] = _PrefillInputs(*captured, self.device)
+                inputs.write(prefill_ids, prefill_keep, slot_ids)
                 logits = self.graphs.run_captured(("prefill", variant, *captured), self._prefill)[:rows]
             else:
-                logits = self._call(prefill_rows, prefill_ids, positions, mask, columns, slot_ids)[:rows]
+                layout = self._prefill_layout(prefill_keep)
+                logits = self._call(prefill_rows, prefill_ids, *layout, slot_ids)[:rows]
 
         # decode state in the static buffers; each row keeps its slot for the whole call
         self.mask.fill_(_masked(self.dtype))
@@ -343,18 +352,17 @@ class _Finished:
 
 
 class _PrefillInputs:
-    """The static inputs a captured prefill reads: token ids, positions, mask, cache columns
-    and the rows' slot ids, each call's values written into them."""
+    """The static inputs a captured prefill reads: token ids, the mask of real tokens and the
+    rows' slot ids, each call's values written into them."""
 
-    def __init__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, columns: torch.Tensor):
-        self.ids, self.positions, self.mask = ids.clone(), positions.clone(), mask.clone()
-        self.columns = columns.clone()
-        self.slot_ids = torch.full((ids.shape[0],), NO_ADAPTER, dtype=torch.int32, device=ids.device)
+    def __init__(self, rows: int, length: int, device: torch.device):
+        self.ids = torch.zeros(rows, length, dtype=torch.long, device=device)
+        self.keep = torch.zeros(rows, length, dtype=torch.bool, device=device)
+        self.slot_ids = torch.full((rows,), NO_ADAPTER, dtype=torch.int32, device=device)
 
-    def write(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slot_ids: torch.Tensor | None) -> None:
+    def write(self, ids: torch.Tensor, keep: torch.Tensor, slot_ids: torch.Tensor | None) -> None:
         self.ids.copy_(ids)
-        self.positions.copy_(positions)
-        self.mask.copy_(mask)
+        self.keep.copy_(keep)
         if slot_ids is not None:
             self.slot_ids.copy_(slot_ids)
 
