@@ -3,10 +3,10 @@
 A :class:`GraphSet` captures a callable once per key (for the decode runtime: a
 ``(variant, batch bucket)`` pair, up front; a prefill's shape, on first use) after a warm-up
 on a side stream, keeps the outputs the capture produced (static tensors every replay
-rewrites), and replays by key. All graphs of
-a set allocate from one private pool: the decode steps captured largest first so smaller ones
-reuse its blocks, a later graph taking freed blocks where they fit (graphs replay one at a
-time, so their scratch may overlap). When graphs cannot be used (no CUDA, or a capture fails) the set says why once, in
+rewrites), and replays by key. All graphs of a set allocate from one private pool: the
+decode steps are captured largest first so smaller ones reuse its blocks, and a later graph
+takes freed blocks where they fit (graphs replay one at a time, so their scratch may
+overlap). When graphs cannot be used (no CUDA, or a capture fails) the set says why once, in
 a logged warning, and runs the callable eagerly instead: slower, never wrong.
 
 :meth:`GraphSet.call` serves callers that own no static buffers (``torch.compile(...,

@@ -85,7 +85,7 @@ class DecodeRuntime:
         self.mask = torch.full((rows, 1, 1, max_len), _masked(self.dtype), dtype=self.dtype, device=dev)
         self.slot_ids = torch.full((rows,), -1, dtype=torch.int32, device=dev)
         self.column = torch.zeros(1, dtype=torch.long, device=dev)
-        self._prefill_inputs: dict[tuple[int, int], _PrefillInputs] = {}  # by (rows, length): a captured prefill's
+        self._prefill_inputs: dict[tuple[int, int], _PrefillInputs] = {}  # captured prefills' inputs, by shape
         forward = inspect.signature(model.forward).parameters
         self._extra = {k: v for k, v in (("logits_to_keep", 1), ("cache_position", None)) if k in forward}
         self._cache_keyword = cache_keyword(model)
