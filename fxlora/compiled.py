@@ -28,7 +28,7 @@ from fxlora.errors import AdapterError, NotServed
 from fxlora.runtime import Backend
 from fxlora.runtime.backend import raise_recompile_limit
 from fxlora.runtime.explain import report
-from fxlora.runtime.generation import DecodeRuntime, Sampling
+from fxlora.runtime.generation import PREFILL_GRAPH_TOKENS, DecodeRuntime, Sampling
 from fxlora.runtime.routing import Selection, check_names, selecting, warn_unnamed, watch_calls
 
 log = logging.getLogger(__name__)
@@ -228,6 +228,7 @@ def compile(
     max_len: int = 512,
     batch_buckets: Sequence[int] | None = None,
     cuda_graphs: bool | None = None,
+    prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
     inner: str | None = None,
 ) -> CompiledModel:
     """Compile ``model`` to serve mixed batches of LoRA adapters.
@@ -246,7 +247,9 @@ def compile(
     (prompt and new tokens) from a static KV cache; its decode steps replay CUDA graphs
     captured per ``batch_buckets`` (default: 2, 4, 8, ... up to ``max_batch_size``; one row replays
     the bucket of 2) when
-    ``cuda_graphs`` (default: on CUDA).
+    ``cuda_graphs`` (default: on CUDA). So does a prefill of at most ``prefill_graph_tokens``
+    tokens (the batch bucket times the prompt length rounded up to a power of two, at least 16),
+    from a graph captured the first time its shape comes; 0 runs every prefill eagerly.
 
     ``inner`` is the compiler of the rewritten graphs: ``"inductor"`` (the default on CUDA)
     fuses the base model's small operations around the LoRA ops; ``"eager"`` (the default
@@ -256,6 +259,8 @@ def compile(
         raise TypeError(f"adapters must map adapter names to sources, got {type(adapters).__name__}")
     if inner is not None:
         resolve_inner(inner, torch.device("cpu"))  # a bad name fails before anything changes
+    if isinstance(prefill_graph_tokens, bool) or not isinstance(prefill_graph_tokens, int) or prefill_graph_tokens < 0:
+        raise ValueError(f"prefill_graph_tokens must be an int >= 0 (0: no prefill graphs), got {prefill_graph_tokens!r}")
     adapters = dict(adapters or {})
     model, from_peft = _unwrap_peft(model)
     for name, source in from_peft.items():
@@ -304,7 +309,10 @@ def compile(
     raise_recompile_limit()
     compiled = torch.compile(own_code_object(model), backend=backend, dynamic=dynamic, fullgraph=fullgraph)
     log.info("%d adapters in %d target modules", len(adapters), len(pool.targets))
-    runtime = dict(max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs)
+    runtime = dict(
+        max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs,
+        prefill_graph_tokens=prefill_graph_tokens,
+    )  # fmt: skip
     return CompiledModel(model, backend, compiled, runtime)
 
 

@@ -278,6 +278,12 @@ def test_generate_beyond_the_largest_bucket_names_the_compile_argument(small_run
         small_runtime.generate(ids, adapter_names=["a", None, "a"], max_new_tokens=2)
 
 
+@pytest.mark.parametrize("value", [-1, 2.5, True, "4096"])
+def test_bad_prefill_graph_tokens(model, value):
+    with pytest.raises(ValueError, match=r"prefill_graph_tokens must be an int >= 0 \(0: no prefill graphs\)"):
+        fxlora.compile(model, prefill_graph_tokens=value)
+
+
 def in_memory(model, **changes):
     """A valid in-memory adapter for q_proj with ``changes`` made to its config dict (a value of
     ``...`` removes the field)."""

@@ -116,6 +116,10 @@ def test_prefill_at_its_graph_shape_equals_peft(setup, monkeypatch):
     monkeypatch.setattr(rt.graphs, "run", lambda key, fn: fn(key))
     assert rt.prefill_shape(3, 6, MAX_NEW) == (4, 16)
     assert rt.prefill_shape(3, 6, 20) is None  # 16 + 20 columns exceed max_len=32
+    assert rt.prefill_shape(1, 5, MAX_NEW) == (2, 16)  # one row prefills as two
+    monkeypatch.setattr(rt, "prefill_graph_tokens", 4 * 16 - 1)
+    assert rt.prefill_shape(3, 6, MAX_NEW) is None
+    monkeypatch.setattr(rt, "prefill_graph_tokens", 4 * 16)
     names = ["b", None, "a"]
     for seed in (11, 12):
         ids, mask = prompts(3, 6, model.config.vocab_size, seed=seed)

@@ -9,8 +9,8 @@ and reads the logits of the real rows. Prompts are laid out left-padded: every r
 the same cache column at each step, and padding stays masked.
 
 A short prefill is bound by the host (a LoRA op called eagerly holds it for a few hundred
-µs), so one of at most :data:`PREFILL_GRAPH_TOKENS` tokens is replayed from a CUDA graph
-too: its rows padded to the batch bucket, its prompts left-padded to a length bucket (a power
+µs), so one of at most ``prefill_graph_tokens`` tokens (:data:`PREFILL_GRAPH_TOKENS` by
+default) is replayed from a CUDA graph too: its rows padded to the batch bucket, its prompts left-padded to a length bucket (a power
 of two), the graph of each ``(variant, rows, length)`` captured on first use. Longer
 prefills run eagerly at their own length.
 """
@@ -36,7 +36,7 @@ from fxlora.runtime.routing import use_slots
 log = logging.getLogger(__name__)
 
 VARIANTS = ("nolora", "lora")
-PREFILL_GRAPH_TOKENS = 4096  # the most tokens (batch bucket x length bucket) a prefill replays from a CUDA graph
+PREFILL_GRAPH_TOKENS = 4096  # by default, the most tokens (batch bucket x length bucket) a prefill replays from a graph
 PREFILL_MIN_LENGTH = 16  # the shortest length bucket
 
 
@@ -64,6 +64,7 @@ class DecodeRuntime:
         max_len: int,
         buckets: Sequence[int] | None = None,
         cuda_graphs: bool | None = None,
+        prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
         progress: bool = True,
     ):
         """``step`` calls ``model`` compiled with ``backend`` (whose pool, arena and rewritten
@@ -72,7 +73,7 @@ class DecodeRuntime:
         self.step, self.backend, self.device, self.dtype = step, backend, param.device, param.dtype
         # ranks of a tensor-parallel model must stop at the same step: they decide on what they copied, waiting for it
         self.ranks_agree = sharding.process_group(model) is not None
-        self.max_batch_size, self.max_len = max_batch_size, max_len
+        self.max_batch_size, self.max_len, self.prefill_graph_tokens = max_batch_size, max_len, prefill_graph_tokens
         self.buckets = sorted(set(buckets or default_buckets(max_batch_size)))
         if self.buckets[0] < 1 or self.buckets[-1] > max_batch_size:
             raise ValueError(f"batch buckets {self.buckets} must lie in 1..max_batch_size={max_batch_size}")
@@ -158,14 +159,14 @@ class DecodeRuntime:
 
     def prefill_shape(self, rows: int, prompt_len: int, max_new_tokens: int) -> tuple[int, int] | None:
         """The ``(rows, length)`` a prefill replays from a CUDA graph at, or None when it runs
-        eagerly: no CUDA graphs, more than :data:`PREFILL_GRAPH_TOKENS` tokens, or no room in
-        the cache for the padded prompt and the new tokens."""
+        eagerly: no CUDA graphs, more than ``prefill_graph_tokens`` tokens, or no room in the
+        cache for the padded prompt and the new tokens."""
         if not self.graphs.enabled:
             return None
         length = max(PREFILL_MIN_LENGTH, 1 << (prompt_len - 1).bit_length())
         # one row prefills as two, as eagerly: Dynamo specialises a dimension of size 1
         bucket = max(self.bucket_for(rows), min(2, self.max_batch_size))
-        if bucket * length > PREFILL_GRAPH_TOKENS or length + max_new_tokens > self.max_len:
+        if bucket * length > self.prefill_graph_tokens or length + max_new_tokens > self.max_len:
             return None
         return bucket, length
 
@@ -176,7 +177,7 @@ class DecodeRuntime:
             prefills = sum(key[0] == "prefill" for key in list(self.graphs.graphs))  # a call may be adding one
             lines.append(
                 f"CUDA graphs: {len(self.graphs.graphs) - prefills} decode steps ({roles} x buckets) and {prefills} "
-                f"prefills (up to {PREFILL_GRAPH_TOKENS} tokens, captured on first use), captured in "
+                f"prefills (up to {self.prefill_graph_tokens} tokens, captured on first use), captured in "
                 f"{self.graphs.capture_seconds:.1f} s"
             )
         else:
