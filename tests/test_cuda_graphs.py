@@ -45,6 +45,8 @@ def test_a_graph_set_on_cpu_runs_eagerly():
     graphs = GraphSet(torch.device("cpu"), enabled=True)
     assert not graphs.enabled and "not CUDA" in graphs.fallback_reason
     assert torch.equal(graphs.call("k", lambda t: t + 1, (torch.ones(2),)), torch.full((2,), 2.0))
+    assert graphs.run_captured(3, lambda key: torch.full((2,), float(key))).tolist() == [3.0, 3.0]
+    assert not graphs.graphs and graphs.capture_seconds == 0
 
 
 def test_host_to_device_copies_become_non_blocking():
