@@ -117,7 +117,7 @@ def layer_list(gm: fx.GraphModule) -> str | None:
 
 
 class _Unsplittable(Exception):
-    pass
+    """The graph does not split cleanly (the message says where); it is compiled whole."""
 
 
 def split(gm: fx.GraphModule) -> Stitched | None:
