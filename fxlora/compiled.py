@@ -71,7 +71,11 @@ class CompiledModel(torch.nn.Module):
         """How many graphs have been traced and compiled so far (a retrace adds one)."""
         return len(self._backend.routers)
 
+    @torch.no_grad()
     def forward(self, *args: Any, adapter_names: Sequence[str | None] | None = None, **kwargs: Any) -> Any:
+        """The model's forward over a mixed batch. It serves inference (fxlora's ops have no
+        backward): every call runs without autograd, whatever the caller's grad mode, so a
+        call in another mode (a new thread's is on) runs the graphs already compiled."""
         names = check_names(adapter_names)
         # Views of a larger tensor would make Dynamo guard on their base and offset and
         # retrace for each new slicing; a private copy of such small inputs avoids that.

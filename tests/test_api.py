@@ -63,6 +63,17 @@ def test_outputs_keep_the_models_type(model, inputs):
     assert type(cm(**inputs)) is type(model(**inputs))
 
 
+def test_a_call_in_grad_mode_runs_the_graphs_compiled_without(model, inputs):
+    adapter = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "down_proj"]), 3, "")
+    cm = fxlora.compile(model, adapters={"a": adapter})
+    names = ["a", None, "a"]
+    expected = cm(**inputs, adapter_names=names).logits
+    with torch.enable_grad():
+        out = cm(**inputs, adapter_names=names).logits
+    assert not out.requires_grad and cm.compile_count == 1
+    assert torch.equal(out, expected)
+
+
 def test_explain_reads_top_to_bottom(model, inputs, tmp_path):
     adapter = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]), 0, str(tmp_path / "a"))
     cm = fxlora.compile(model, adapters={"a": adapter}, max_loras=3, target_modules=["q_proj", "o_proj"])

@@ -36,17 +36,14 @@ def served():
 
 
 def run_threads(*targets, timeout: float = 600) -> list[BaseException]:
-    """Run each target in a thread of its own, in the caller's grad mode (a thread starts with
-    grad enabled, and a graph traced in the other mode would be traced again); returns their
-    errors."""
+    """Run each target in a thread of its own (which starts in grad mode, unlike the tests);
+    returns their errors."""
     errors: list[BaseException] = []
-    grad = torch.is_grad_enabled()
 
     def guard(fn):
         def run():
             try:
-                with torch.set_grad_enabled(grad):
-                    fn()
+                fn()
             except BaseException as e:  # reported by the test, which fails on any
                 errors.append(e)
 
