@@ -7,6 +7,7 @@ import functools
 import logging
 import tempfile
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fxlora
-from fxlora.runtime.routing import use_slots
+from fxlora.adapters import NO_ADAPTER
+from fxlora.runtime.routing import Router, use_slots
 from fxlora.testing import (
     FAMILIES,
     RTOL,
@@ -113,6 +115,31 @@ def test_mixed_batch_matches_merged_weights(served, data):
         )
 
 
+def lora_variant_logits(served: Served, inputs: dict, slot_ids: torch.Tensor) -> torch.Tensor:
+    """The compiled model's logits with ``slot_ids`` as the rows' slots, asserting that every
+    graph ran its ``lora`` variant and every target's LoRA op ran in a graph. A call of
+    ``served.cm`` cannot do this: it resolves ``adapter_names`` itself, and rows without an
+    adapter select ``nolora``; the compiled function is called as the generation runtime calls
+    it, under slot ids of its own."""
+    ran = []
+    run = Router._run
+
+    def noted(router, variants, variant, args):
+        ran.append(variant)
+        return run(router, variants, variant, args)
+
+    with (
+        torch.no_grad(),  # as CompiledModel.forward: the graphs compiled for its calls serve this one
+        mock.patch.object(Router, "_run", noted),
+        served.cm.backend.lock,
+        use_slots(slot_ids, batch=inputs["input_ids"]) as selection,
+    ):
+        out = served.cm._compiled(**inputs).logits
+    assert ran and set(ran) == {"lora"}, f"graph variants run: {ran}"
+    selection.require(set(served.cm.backend.rewritten))  # no target ran outside the graphs
+    return out
+
+
 @given(data=st.data())
 def test_no_adapter_is_bit_identical_to_the_model(served, data):
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,10 +147,10 @@ def test_no_adapter_is_bit_identical_to_the_model(served, data):
     batch = data.draw(batches(served.model.config.vocab_size, []))
     base = served.model(**batch.inputs).logits
     assert torch.equal(served.cm(**batch.inputs).logits, base)  # adapter_names=None: nolora graph
-    assert torch.equal(served.cm(**batch.inputs, adapter_names=batch.adapter_names).logits, base)
-    no_adapter = torch.full((len(batch.adapter_names),), -1, dtype=torch.int32)
-    with use_slots(no_adapter):  # the lora graph with every row on "no adapter"
-        assert torch.equal(served.cm(**batch.inputs, adapter_names=batch.adapter_names).logits, base)
+    assert torch.equal(served.cm(**batch.inputs, adapter_names=batch.adapter_names).logits, base)  # all None: nolora
+    no_adapter = torch.full((len(batch.adapter_names),), NO_ADAPTER, dtype=torch.int32)
+    # the lora graph with every row on "no adapter" (in a mixed batch, the rows without one)
+    assert torch.equal(lora_variant_logits(served, batch.inputs, no_adapter), base)
 
 
 @given(data=st.data())
