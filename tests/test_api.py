@@ -141,6 +141,16 @@ def test_backend_entry_point_in_a_fresh_process(tmp_path):
     assert result.stdout.strip().endswith("ok")
 
 
+def test_import_is_quiet_and_leaves_the_optional_stacks_out():
+    """``import fxlora`` imports PEFT, torchao and bitsandbytes only when a call needs them:
+    importing them is slow, and torchao and bitsandbytes print while they load."""
+    code = "import sys, fxlora; print(*sorted(m for m in ('peft', 'torchao', 'bitsandbytes') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == ""
+    assert result.stderr == ""
+
+
 def test_backend_name_resolves_without_importing_fxlora():
     code = "import sys, torch._dynamo as d; f = d.lookup_backend('fxlora'); print(f.__module__, 'fxlora' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

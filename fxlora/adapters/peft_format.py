@@ -19,15 +19,15 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NoReturn, Union
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, Union
 
 import torch
-from peft import LoraConfig, PeftConfig
-from peft.tuners.tuners_utils import check_target_module_exists
-from peft.utils.other import get_pattern_key
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fxlora.errors import AdapterError
+
+if TYPE_CHECKING:  # peft is imported when an adapter is read: importing it pulls in torchao and bitsandbytes
+    from peft import LoraConfig
 
 # Config fields whose truthy value asks for something other than plain LoRA.
 UNSUPPORTED_FEATURES = {
@@ -182,6 +182,8 @@ def _read_directory(name: str, path: Path) -> tuple[dict, dict[str, torch.Tensor
 
 
 def _config_dict(name: str, config: Any) -> dict:
+    from peft import PeftConfig
+
     try:
         if isinstance(config, PeftConfig):
             return config.to_dict()
@@ -285,6 +287,8 @@ def _lora_config(name: str, where: str, config_dict: dict) -> LoraConfig:
     if config_dict.get("bias", "none") != "none":
         raise AdapterError(f"adapter {name!r} ({where}): unsupported PEFT feature: trained biases (bias={config_dict['bias']!r})")
     _check_fields(name, where, config_dict)
+    from peft import LoraConfig
+
     known = {f.name for f in dataclasses.fields(LoraConfig)}
     dropped = {"peft_type", "runtime_config"}
     dropped |= {k for k in ("rank_pattern", "alpha_pattern") if config_dict.get(k) is None}  # null: none, PEFT's {}
@@ -333,7 +337,7 @@ def _factors(
                 )
             modules[module] = LoraFactors("parameter", a, b, None)
             continue
-        if not (all_linear(config) and kinds[module] == "linear") and not check_target_module_exists(config, module):
+        if not (all_linear(config) and kinds[module] == "linear") and not selects_module(config, module):
             raise AdapterError(
                 f"adapter {name!r} ({where}): holds weights for module {module!r}, which its "
                 "target_modules / exclude_modules / layers_to_transform do not select"
@@ -356,6 +360,14 @@ def module_factors(name: str, where: str, config: LoraConfig, module: str, kind:
             f"but its config gives r={r}"
         )
     return LoraFactors(kind, a, b, scaling)
+
+
+def selects_module(config: LoraConfig, module: str) -> bool:
+    """Whether ``target_modules`` / ``exclude_modules`` / ``layers_to_transform`` select
+    ``module``, as PEFT matches them."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    return bool(check_target_module_exists(config, module))
 
 
 def all_linear(config: LoraConfig) -> bool:
@@ -399,7 +411,7 @@ def _may_wrap_parameter(config: LoraConfig, module: str) -> bool:
     owner = unwrapped(module)
     if not entries or owner != module:
         return bool(entries)
-    if not all_linear(config) and check_target_module_exists(config, module):
+    if not all_linear(config) and selects_module(config, module):
         return False
     owners = [e.rpartition(".")[0] for e in entries]  # "" for a bare name: any module may hold it
     return any(not o or owner == o or owner.endswith("." + o) for o in owners)
@@ -408,6 +420,8 @@ def _may_wrap_parameter(config: LoraConfig, module: str) -> bool:
 def rank_and_scaling(config: LoraConfig, path: str) -> tuple[int, float]:
     """The rank and ``alpha / r`` (``/ sqrt(r)`` with rsLoRA) PEFT gives the module or
     parameter at ``path`` through ``rank_pattern`` / ``alpha_pattern``."""
+    from peft.utils.other import get_pattern_key
+
     r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), path), config.r)
     alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), path), config.lora_alpha)
     return r, alpha / math.sqrt(r) if config.use_rslora else alpha / r

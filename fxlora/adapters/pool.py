@@ -15,16 +15,17 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from peft import LoraConfig
-from peft.tuners.tuners_utils import check_target_module_exists
 
 from fxlora.adapters import sharding
-from fxlora.adapters.peft_format import LoraAdapter
+from fxlora.adapters.peft_format import LoraAdapter, selects_module
 from fxlora.adapters.sharding import Sharding
 from fxlora.errors import AdapterError, NotServed, ShardingError
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +250,11 @@ class AdapterPool:
             if value < 1:
                 raise ValueError(f"{arg} must be positive, got {value}")
         self.max_loras, self.max_rank = max_loras, max_rank
-        self._patterns = LoraConfig(target_modules=target_modules) if target_modules else None
+        self._patterns: LoraConfig | None = None
+        if target_modules:
+            from peft import LoraConfig
+
+            self._patterns = LoraConfig(target_modules=target_modules)
         self._all_linear = isinstance(target_modules, str) and target_modules.lower() == "all-linear"
         self._output_embedding = output_embedding  # "all-linear" leaves it out, as PEFT does
         self.modules: dict[str, ModuleInfo] = {}
@@ -303,7 +308,7 @@ class AdapterPool:
             return False
         if self._all_linear:  # linear modules, as PEFT's "all-linear" picks them by type
             return info.kind == "linear" and info.parameter is None and fqn != self._output_embedding
-        return bool(check_target_module_exists(self._patterns, fqn))
+        return selects_module(self._patterns, fqn)
 
     def _check_exists(self, adapter: LoraAdapter, modules: Iterable[str]) -> None:
         for fqn in adapter.modules.keys() - modules:

@@ -23,7 +23,6 @@ import dataclasses
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from fxlora.adapters import experts
 from fxlora.compiler.experts_probe import choose_layout, prove_region
@@ -66,6 +65,8 @@ def serve(model: torch.nn.Module, method: str) -> None:
                 f"weights, which fxlora::moe_lora cannot compute as the module does: {why}"
             ) from None
         layouts[module] = dataclasses.asdict(layout)
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # slow to import: only for a quantised MoE model
+
     ALL_EXPERTS_FUNCTIONS.register(NAME, forward)
     for module, layout in layouts.items():
         setattr(module, LAYOUT, layout)
