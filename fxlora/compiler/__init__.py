@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 import fxlora.ops  # noqa: F401  (registers the fxlora:: ops the passes emit)
+from fxlora.compiler import progress
 from fxlora.compiler.annotate import annotate, called_targets, instance_parameters
 from fxlora.compiler.batch_info import batch_info
 from fxlora.compiler.context import PassContext
@@ -67,18 +68,23 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> Variants:
     attention if ``ctx`` asks, keep a copy of it as
     ``nolora``, run the LoRA passes on the other into ``lora``, and hoist each variant's
     allocations into the arena."""
-    gm = annotate(copy_graph(gm), ctx)
+    progress.expect(1 + ctx.decode_attention + len(PIPELINE) + 1)
+    with progress.step("annotate"):
+        gm = annotate(copy_graph(gm), ctx)
     if ctx.decode_attention:
-        gm = decode_attention(gm, ctx)
+        with progress.step("decode_attention"):
+            gm = decode_attention(gm, ctx)
     nolora = copy_graph(gm)
     called, instance = called_targets(gm, ctx), instance_parameters(gm, ctx)
     for p in PIPELINE:
-        gm = p(gm, ctx)
+        with progress.step(p.__name__):
+            gm = p(gm, ctx)
     lora = gm if any(n.target in LORA_OPS for n in gm.graph.nodes) else None
     ctx.served_after_all()
     for fqn in sorted(called - ctx.rewritten.keys() - ctx.left_traced.keys()):
         ctx.leave_traced(fqn, "no LoRA pass recognises its calls")
-    lora, nolora = hoist(lora, ctx) if lora is not None else None, hoist(nolora, ctx)
+    with progress.step("hoist"):
+        lora, nolora = hoist(lora, ctx) if lora is not None else None, hoist(nolora, ctx)
     return Variants(lora, nolora, frozenset(ctx.rewritten), dict(ctx.left_traced), instance)
 
 

@@ -31,7 +31,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import fxlora.ops
-from fxlora.compiler import regions
+from fxlora.compiler import progress, regions
 from fxlora.compiler.arena import WORKSPACES
 from fxlora.compiler.graph_edit import meta_value
 from fxlora.ops.moe_lora import local_routing
@@ -196,14 +196,19 @@ def compile_inner(gm: fx.GraphModule, inner: str) -> Callable[..., Any]:
     gm = composed(gm)
     with torch.no_grad():  # an inference graph: fxlora's ops have no backward
         stitched = regions.split(gm)
+        distinct = stitched.regions if stitched is not None else []
+        progress.expect(len(distinct))
         try:
-            for region in stitched.regions if stitched is not None else ():
-                region.compiled = _inductor(region.graph, region.example_inputs)
+            for i, region in enumerate(distinct, 1):
+                with progress.step(f"inductor: region {i}/{len(distinct)}"):
+                    region.compiled = _inductor(region.graph, region.example_inputs)
         except Exception as e:  # a region Inductor cannot take: the graph as a whole
             log.warning("compiling the graph whole, as a region failed: %s: %s", type(e).__name__, e)
             stitched = None
         if stitched is None:
-            compiled = _inductor(gm, [_traced_value(n) for n in gm.graph.nodes if n.op == "placeholder"])
+            progress.expect(1)
+            with progress.step("inductor: the whole graph"):
+                compiled = _inductor(gm, [_traced_value(n) for n in gm.graph.nodes if n.op == "placeholder"])
         else:
             log.info("inductor compiled %s", stitched.describe())
             compiled = stitched

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import AdapterPool, read_adapter
-from fxlora.compiler import PassContext, Variants, run_pipeline
+from fxlora.compiler import PassContext, Variants, progress, run_pipeline
 from fxlora.compiler.annotate import ModuleTree
 from fxlora.compiler.arena import Arena
 from fxlora.compiler.inner import resolve as resolve_inner
@@ -89,18 +89,21 @@ class Backend:
         inner = resolve_inner(self.inner, _first_device(example_inputs))
         ctx = self._context(example_inputs, inner)
         start = time.perf_counter()
-        with compiling():
-            variants = run_pipeline(gm, ctx)
-        passes = time.perf_counter() - start
-        devices = {self.pool.targets[fqn].info.device for fqn in variants.rewritten}
-        device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
-        if self.cuda_graphs and self.graphs is None:
-            self.graphs = GraphSet(device, enabled=True)
-        record = GraphRecord.of(len(self.routers), _role.get(), variants, ctx.report, inner)
-        instances = Instances(variants, example_inputs, self.modules, functools.partial(self._rebuild, gm, record, inner))
-        router = Router(
-            instances, self.pool, device, self.graphs, self.lock, owner=self, inner=inner, graph_breaks=self.graph_breaks
-        )
+        with progress.bar(f"fxlora: compiling {_role.get()} graph"):  # the passes, then the inner compiler's regions
+            with compiling():
+                variants = run_pipeline(gm, ctx)
+            passes = time.perf_counter() - start
+            devices = {self.pool.targets[fqn].info.device for fqn in variants.rewritten}
+            device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
+            if self.cuda_graphs and self.graphs is None:
+                self.graphs = GraphSet(device, enabled=True)
+            record = GraphRecord.of(len(self.routers), _role.get(), variants, ctx.report, inner)
+            rebuild = functools.partial(self._rebuild, gm, record, inner)
+            instances = Instances(variants, example_inputs, self.modules, rebuild)
+            router = Router(  # compiles the variants
+                instances, self.pool, device, self.graphs, self.lock,
+                owner=self, inner=inner, graph_breaks=self.graph_breaks,
+            )  # fmt: skip
         record.regions = router.regions()
         self.routers.append(router)
         self.records.append(record)

@@ -1,0 +1,57 @@
+"""The progress bar of a graph's compilation: the passes, then the inner compiler's regions.
+
+The backend opens a bar (:func:`bar`) while it turns a graph Dynamo traced into its compiled
+variants; the pipeline and the inner compiler, below it, announce the steps they will take
+(:func:`expect`) and run each one under :func:`step`, which names it beside the bar while it
+runs and ticks it off when it ends; both do nothing when no bar is open
+(a graph rebuilt for another instance of its code, a variant compiled on a later call).
+The bar is tqdm's, on stderr, shown on a terminal only (as the decode runtime's bars);
+``TQDM_DISABLE=1`` hides it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator
+
+from tqdm.auto import tqdm
+
+_bar: contextvars.ContextVar[tqdm | None] = contextvars.ContextVar("fxlora_compile_progress", default=None)
+
+
+@contextlib.contextmanager
+def bar(desc: str) -> Iterator[None]:
+    """Show the progress of the compilation in the block under ``desc``; closed (and gone
+    from the terminal) when the block ends."""
+    # disable=None: a terminal only. An explicit argument would override TQDM_DISABLE, so
+    # where that is set, tqdm reads it.
+    shown = {} if "TQDM_DISABLE" in os.environ else {"disable": None}
+    progress = tqdm(desc=desc, total=0, unit="step", leave=False, **shown)
+    token = _bar.set(progress)
+    try:
+        yield
+    finally:
+        _bar.reset(token)
+        progress.close()
+
+
+def expect(steps: int) -> None:
+    """``steps`` more steps lie ahead."""
+    progress = _bar.get()
+    if progress is not None:
+        progress.total += steps
+        progress.refresh()
+
+
+@contextlib.contextmanager
+def step(name: str) -> Iterator[None]:
+    """The block is one step, ``name``."""
+    progress = _bar.get()
+    if progress is None:
+        yield
+        return
+    progress.set_postfix_str(name)
+    yield
+    progress.update()
