@@ -6,9 +6,18 @@ options={...})`` with :func:`use_adapters` does the same through Dynamo directly
 """
 
 from fxlora.compiled import CompiledModel, compile
-from fxlora.errors import AdapterError, LoraNotRunError, QuantizationError, ShardingError
+from fxlora.errors import (
+    AdapterError,
+    AdapterWarning,
+    GenerationConfigError,
+    LoraNotRunError,
+    QuantizationError,
+    ShardingError,
+)
 from fxlora.runtime import use_adapters
 
 __version__ = "0.1.0"
 
-__all__ = ["AdapterError", "CompiledModel", "LoraNotRunError", "QuantizationError", "ShardingError", "compile", "use_adapters"]
+__all__ = [
+    "AdapterError", "AdapterWarning", "CompiledModel", "GenerationConfigError", "LoraNotRunError", "QuantizationError", "ShardingError", "compile", "use_adapters",
+]

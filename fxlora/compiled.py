@@ -9,8 +9,10 @@ every call, and loads or unloads adapters into pool slots without retracing.
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import logging
+import os
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,13 +27,16 @@ from fxlora.compiler.annotate import ModuleTree
 from fxlora.compiler.experts_probe import choose_layout
 from fxlora.compiler.inner import resolve as resolve_inner
 from fxlora.errors import AdapterError, NotServed
-from fxlora.runtime import Backend
+from fxlora.runtime import Backend, peft_methods
 from fxlora.runtime.backend import raise_recompile_limit
 from fxlora.runtime.explain import report
-from fxlora.runtime.generation import PREFILL_GRAPH_TOKENS, DecodeRuntime, Sampling
-from fxlora.runtime.routing import Selection, check_names, selecting, warn_unnamed, watch_calls
+from fxlora.runtime.generation import PREFILL_GRAPH_TOKENS, DecodeRuntime
+from fxlora.runtime.generation_config import resolve as resolve_generation
+from fxlora.runtime.routing import Selection, check_adapter_keywords, check_names, selecting, warn_unnamed, watch_calls
 
 log = logging.getLogger(__name__)
+
+SPELLING = "Rows take adapters as adapter_names=[...], one name (or None for the base model) per row"
 
 
 class CompiledModel(torch.nn.Module):
@@ -50,6 +55,7 @@ class CompiledModel(torch.nn.Module):
         self._runtime: DecodeRuntime | None = None
         self._device = next(model.parameters()).device
         self._group = sharding.process_group(model)  # the tensor-parallel ranks' group, or None
+        self._forward_keywords = frozenset(inspect.signature(model.forward).parameters)
 
     @property
     def pool(self) -> AdapterPool:
@@ -67,6 +73,24 @@ class CompiledModel(torch.nn.Module):
         return sorted(self.pool.slot_of, key=self.pool.slot_of.__getitem__)
 
     @property
+    def config(self) -> Any:
+        """The model's config."""
+        return self.model.config
+
+    @property
+    def generation_config(self) -> Any:
+        """The model's generation config, which ``generate`` reads."""
+        return getattr(self.model, "generation_config", None)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
     def compile_count(self) -> int:
         """How many graphs have been traced and compiled so far (a retrace adds one)."""
         return len(self._backend.routers)
@@ -76,6 +100,7 @@ class CompiledModel(torch.nn.Module):
         """The model's forward over a mixed batch. It serves inference (fxlora's ops have no
         backward): every call runs without autograd, whatever the caller's grad mode, so a
         call in another mode (a new thread's is on) runs the graphs already compiled."""
+        check_adapter_keywords(kwargs, self._forward_keywords, SPELLING)
         names = check_names(adapter_names)
         # Views of a larger tensor would make Dynamo guard on their base and offset and
         # retrace for each new slicing; a private copy of such small inputs avoids that.
@@ -86,7 +111,7 @@ class CompiledModel(torch.nn.Module):
         if rows == 0:
             raise ValueError("the batch has 0 rows: call with at least one")
         if names is None:
-            warn_unnamed(self.pool)
+            warn_unnamed(self.pool, stacklevel=6)  # the caller's line, past no_grad's wrapper and Module.__call__
         elif rows is not None and len(names) != rows:
             raise AdapterError(f"adapter_names has {len(names)} entries but the batch has {rows} rows")
         for t in (*args, *kwargs.values()):
@@ -111,45 +136,59 @@ class CompiledModel(torch.nn.Module):
     @torch.no_grad()
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | Sequence[Sequence[int]],
         attention_mask: torch.Tensor | None = None,
         *,
         adapter_names: Sequence[str | None] | None = None,
-        max_new_tokens: int = 20,
-        eos_token_id: int | Sequence[int] | None = None,
-        pad_token_id: int | None = None,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        generation_config: Any = None,
         generator: torch.Generator | None = None,
+        streamer: Any = None,
+        **kwargs: Any,
     ) -> torch.Tensor:
-        """Generate up to ``max_new_tokens`` tokens for every row, each row with its own
-        adapter (or none). Returns the prompts, left-padded, followed by the new tokens; a
-        row that produced an end token is padded with ``pad_token_id`` after it. Greedy by
-        default; ``do_sample`` draws from ``temperature`` / ``top_k`` / ``top_p`` with
-        ``generator``. The end and pad tokens default to the model's generation config; an
-        empty ``eos_token_id`` means none."""
-        check_prompts(input_ids, max_new_tokens)
-        gen_config = getattr(self.model, "generation_config", None)
-        if eos_token_id is None and gen_config is not None:
-            eos_token_id = gen_config.eos_token_id
-        if pad_token_id is None and gen_config is not None:
-            pad_token_id = gen_config.pad_token_id
-        sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
+        """Generate new tokens for every row, each row with its own adapter (or none), as
+        transformers' ``generate`` would: the settings are the model's ``generation_config``
+        (or ``generation_config``), overridden by the keywords (any ``GenerationConfig`` field:
+        ``max_new_tokens``, ``max_length``, ``min_new_tokens``, ``do_sample``, ``temperature``,
+        ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``; ``eos_token_id=()`` means none).
+        Settings fxlora does not serve are refused by name. ``input_ids`` is a tensor or a list
+        of token-id lists (of any lengths); without ``attention_mask`` the padding is read from
+        ``pad_token_id`` as transformers does. Returns the prompts, left-padded, followed by the
+        new tokens; a row that produced an end token is padded with the pad token after it.
+        Sampling draws from ``generator``; ``streamer`` (transformers' ``BaseStreamer``) gets
+        the tokens step by step."""
+        check_adapter_keywords(kwargs, (), SPELLING)
+        if "stop_strings" in kwargs or "tokenizer" in kwargs:
+            raise TypeError(
+                "stop_strings / tokenizer are not supported by fxlora's generate (it stops on token ids): pass the "
+                "stop strings' token ids as eos_token_id"
+            )
+        settings = resolve_generation(self.generation_config, generation_config, **kwargs)
+        settings.check_tokens(getattr(self.config.get_text_config(decoder=True), "vocab_size", None))
+        input_ids, attention_mask = batch_of_prompts(input_ids, attention_mask, settings.pad_token_id)
+        names = check_names(adapter_names)
+        if names is None:
+            warn_unnamed(self.pool, stacklevel=4)  # the caller's line, past no_grad's wrapper
         return self.prepare().generate(
-            input_ids,
-            attention_mask,
-            adapter_names=check_names(adapter_names),
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-            sampling=sampling,
+            input_ids, attention_mask, adapter_names=names, settings=settings, generator=generator, streamer=streamer
         )
 
-    def load_adapter(self, name: str, source: AdapterSource) -> None:
-        """Load an adapter into a free slot: graphs are not retraced. On any error nothing
-        changes."""
+    def load_adapter(self, source: AdapterSource, adapter_name: str | None = None) -> None:
+        """Load an adapter into a free slot, as PEFT's ``load_adapter(path, adapter_name=...)``:
+        graphs are not retraced. On any error nothing changes. ``source`` is a PEFT adapter
+        directory, a ``(config, state_dict)`` pair or a ``{"config": ..., "state_dict": ...}``
+        mapping. fxlora's earlier order, ``load_adapter(name, source)``, is read too where the
+        arguments tell it: a source that is not a string, or a directory after a name."""
+        if isinstance(source, str) and adapter_name is not None and not _is_dir(source):
+            if not isinstance(adapter_name, str) or _is_dir(adapter_name):
+                source, adapter_name = adapter_name, source  # load_adapter(name, source)
+            else:
+                raise AdapterError(
+                    f"adapter {adapter_name!r}: {source!r} is not a directory, nor is {adapter_name!r} (load_adapter "
+                    "takes the adapter's directory, then adapter_name=)"
+                )
+        self._load(adapter_name, source)  # the name is checked with the adapter
+
+    def _load(self, name: str | None, source: AdapterSource) -> None:
         if self._group is None:
             load(self.pool, self.model, name, source, None)
             return
@@ -157,7 +196,13 @@ class CompiledModel(torch.nn.Module):
             load(self.pool, self.model, name, source, self._group)
 
     def unload_adapter(self, name: str) -> None:
+        """Remove an adapter from its slot (after the calls reading it return)."""
         self.pool.unload(name)
+
+    def delete_adapter(self, adapter_names: str | Sequence[str]) -> None:
+        """PEFT's name for :meth:`unload_adapter`; takes one name or several."""
+        for name in [adapter_names] if isinstance(adapter_names, str) else adapter_names:
+            self.unload_adapter(name)
 
     def explain(self) -> str:
         """A report read top to bottom: the adapter pool (slots used and free, each adapter),
@@ -192,17 +237,31 @@ def mark_batch_dims_dynamic(x: Any) -> None:
                 torch._dynamo.maybe_mark_dynamic(x, d)
 
 
-def check_prompts(input_ids: Any, max_new_tokens: Any) -> None:
-    """``generate``'s prompts: a 2-D tensor of at least one row and one token; and at least one new token."""
+def _is_dir(path: str) -> bool:
+    return os.path.isdir(os.fspath(path))
+
+
+def batch_of_prompts(
+    input_ids: Any, attention_mask: torch.Tensor | None, pad_token_id: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``generate``'s prompts as a 2-D tensor of at least one row and one token: a tensor as it
+    is, or a list of token-id lists left-padded (with ``pad_token_id``, else 0) with its mask."""
+    if isinstance(input_ids, (list, tuple)):
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with a tensor of input_ids; a list of token lists needs none")
+        rows = [list(row) for row in input_ids]
+        if not rows or not all(rows) or not all(isinstance(t, int) and not isinstance(t, bool) for r in rows for t in r):
+            raise ValueError("input_ids as a list must hold one non-empty list of int token ids per row")
+        width = max(map(len, rows))
+        pad = pad_token_id if pad_token_id is not None else 0
+        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+        raise TypeError(f"input_ids must be a tensor or a list of token-id lists, got {type(input_ids).__name__}")
     if input_ids.dim() != 2 or 0 in input_ids.shape:
         shape = tuple(input_ids.shape)
         raise ValueError(f"input_ids must be (rows, tokens) with at least one of each, got shape {shape}")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
-        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__} {max_new_tokens!r}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return input_ids, attention_mask
 
 
 def _own(x: Any) -> Any:
@@ -242,10 +301,13 @@ def compile(
     adapters and base model. ``target_modules`` (PEFT syntax, ``"all-linear"`` included)
     reserves pool space for adapters loaded later; by default the modules of the given
     adapters are the targets, or every linear layer but the output head when none are given.
-    The model itself is not modified, but for two settings: MoE experts that run transformers'
-    eager loop (it reads routing on the host) are switched to its `grouped_mm` implementation,
-    and each targeted module gets a forward pre-hook that notes, during a call of the compiled
-    model, a call of it that runs outside the compiled graphs (it does nothing otherwise).
+    The model itself is not modified, but for three settings: MoE experts that run transformers'
+    eager loop (it reads routing on the host) are switched to its `grouped_mm` implementation;
+    each targeted module gets a forward pre-hook that notes, during a call of the compiled
+    model, a call of it that runs outside the compiled graphs (it does nothing otherwise); and
+    the model's PEFT methods (``load_adapter``, ``delete_adapter``, ``set_adapter``, ...) act
+    through the compiled model or refuse (:mod:`fxlora.runtime.peft_methods`), as PEFT's layers
+    injected into it would change every row. A model that already holds such layers is refused.
 
     ``generate`` serves batches of up to ``max_batch_size`` rows of up to ``max_len`` tokens
     (prompt and new tokens) from a static KV cache; its decode steps replay CUDA graphs
@@ -267,6 +329,7 @@ def compile(
         raise ValueError(f"prefill_graph_tokens must be an int >= 0 (0: no prefill graphs), got {prefill_graph_tokens!r}")
     adapters = dict(adapters or {})
     model, from_peft = _unwrap_peft(model)
+    peft_methods.check_no_peft_layers(model)
     for name, source in from_peft.items():
         if name in adapters:
             raise AdapterError(f"adapter {name!r} is given twice: in adapters= and in the PeftModel")
@@ -317,7 +380,10 @@ def compile(
         max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs,
         prefill_graph_tokens=prefill_graph_tokens,
     )  # fmt: skip
-    return CompiledModel(model, backend, compiled, runtime)
+    cm = CompiledModel(model, backend, compiled, runtime)
+    # the model's own PEFT methods would inject layers every graph reads: they go through cm
+    peft_methods.guard(model, cm._load, cm.unload_adapter)
+    return cm
 
 
 def load(pool: AdapterPool, model: torch.nn.Module, name: str, source: AdapterSource, group: object | None) -> None:

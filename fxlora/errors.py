@@ -14,6 +14,11 @@ class QuantizationError(ValueError):
     targets; the message names the quantisation method and the module."""
 
 
+class GenerationConfigError(ValueError):
+    """A generation setting fxlora does not serve, or a bad value of one; the message names
+    the setting and where it came from."""
+
+
 class LoraNotRunError(RuntimeError):
     """A row asks for an adapter whose LoRA did not run on a module it targets: that part of
     the model ran outside the compiled graphs (a graph break, or Dynamo giving up on a frame),
@@ -28,3 +33,7 @@ class NotServed(Exception):
 class ShardingError(ValueError):
     """The model is sharded (tensor parallelism) in a way fxlora cannot split LoRA factors
     for, on a module LoRA targets; the message names the module and its placement."""
+
+
+class AdapterWarning(UserWarning):
+    """A call names no adapters while some are loaded, so every row runs the base model."""

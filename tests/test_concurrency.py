@@ -113,7 +113,7 @@ def test_unload_under_calls_in_flight_never_gives_a_wrong_row(served):
         try:
             for _ in range(150):
                 cm.unload_adapter("b")
-                cm.load_adapter("b", adapters["b"])
+                cm.load_adapter(adapters["b"], adapter_name="b")
         finally:
             stop.set()
 
@@ -133,12 +133,12 @@ def test_an_unloaded_adapters_slot_is_zeroed_when_its_last_call_ends(served):
     assert target.lora_a[slot].abs().sum() > 0  # still intact for that call
     with pytest.raises(AdapterError, match="unknown adapter 'b'"):
         cm(input_ids=torch.ones(1, 3, dtype=torch.long), adapter_names=["b"])
-    cm.load_adapter("b", adapters["b"])
+    cm.load_adapter(adapters["b"], adapter_name="b")
     assert pool.slot_of["b"] != slot  # the draining slot is not handed out
     pool.release(slots)
     assert target.lora_a[slot].abs().sum() == 0
     cm.unload_adapter("b")
-    cm.load_adapter("b", adapters["b"])
+    cm.load_adapter(adapters["b"], adapter_name="b")
 
 
 def test_hot_swap_soak(served):
@@ -152,13 +152,13 @@ def test_hot_swap_soak(served):
     try:
         for round_ in range(60):
             cm.unload_adapter("b")
-            cm.load_adapter("b", adapters["b"])
+            cm.load_adapter(adapters["b"], adapter_name="b")
             if round_ == 10:
                 base = tracemalloc.take_snapshot()
             if round_ % 10 == 0:
                 errors = run_threads(
                     lambda: [cm(input_ids=ids, adapter_names=list(names)) for _ in range(5)],
-                    lambda: [cm.load_adapter("c", adapters["a"]) or cm.unload_adapter("c") for _ in range(5)],
+                    lambda: [cm.load_adapter(adapters["a"], adapter_name="c") or cm.unload_adapter("c") for _ in range(5)],
                 )
                 assert not errors, errors
                 check_rows(cm(input_ids=ids, adapter_names=list(names)).logits, expected[names], list(names))

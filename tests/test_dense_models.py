@@ -49,7 +49,7 @@ class Served:
         for name in self.cm.adapter_names:
             self.cm.unload_adapter(name)
         for name, source in adapters.items():
-            self.cm.load_adapter(name, source)
+            self.cm.load_adapter(source, adapter_name=name)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -194,8 +194,8 @@ def test_unload_load_reload_without_recompiles(served, tmp_path):
     with pytest.raises(fxlora.AdapterError, match="unknown adapter 'x'"):
         served.cm(**inputs, adapter_names=names)
     served.cm.unload_adapter("y")
-    served.cm.load_adapter("y", adapters["y"])  # lands in the slot x held
-    served.cm.load_adapter("x", adapters["x"])
+    served.cm.load_adapter(adapters["y"], adapter_name="y")  # lands in the slot x held
+    served.cm.load_adapter(adapters["x"], adapter_name="x")
     again = assert_matches_peft(served.cm, served.model, adapters, names, **inputs)
     assert row_errors(again, first) == [0.0, 0.0, 0.0]
     assert served.cm.compile_count == compiles

@@ -2,10 +2,10 @@
 arguments) naming the culprit, and a failed load leaves the compiled model exactly as it was."""
 
 import json
-import logging
 import math
 import pickle
 import re
+import warnings
 
 import pytest
 import torch
@@ -46,7 +46,7 @@ def assert_load_fails(cm, ids, source, *fragments, name="bad"):
     before = cm(**ids, adapter_names=["good", None]).logits
     loaded = list(cm.adapter_names)
     with pytest.raises(AdapterError) as info:
-        cm.load_adapter(name, source)
+        cm.load_adapter(source, adapter_name=name)
     message = str(info.value)
     assert repr(name) in message
     for fragment in fragments:
@@ -94,7 +94,7 @@ def test_bin_weights_load_without_unpickling_code(cm, ids, model, tmp_path):
     weights = tmp_path / "adapter" / "adapter_model.safetensors"
     torch.save(load_file(weights), tmp_path / "adapter" / "adapter_model.bin")
     weights.unlink()
-    cm.load_adapter("from_bin", path)
+    cm.load_adapter(path, adapter_name="from_bin")
     cm.unload_adapter("from_bin")
 
 
@@ -135,7 +135,7 @@ def test_rank_above_max_rank(cm, ids, model, tmp_path):
 
 def test_no_free_slot(cm, ids, model, tmp_path):
     path = adapter_dir(model, tmp_path)
-    cm.load_adapter("second", path)
+    cm.load_adapter(path, adapter_name="second")
     try:
         advice = "unload one (unload_adapter) or compile with a larger max_loras="
         assert_load_fails(cm, ids, path, "no free slot", "max_loras=2", advice, name="third")
@@ -537,13 +537,15 @@ def test_adapter_names_spelling(cm, ids):
     base = cm(**ids, adapter_names=[None] * rows).logits
     assert torch.equal(cm(**ids, adapter_names=["__base__"] * rows).logits, base)  # PEFT's spelling of None
     with pytest.raises(AdapterError, match="'__base__' is reserved"):
-        cm.load_adapter("__base__", cm.pool.adapters["good"])
+        cm.load_adapter(cm.pool.adapters["good"], adapter_name="__base__")
 
 
-def test_a_call_naming_no_adapter_warns_once(cm, model, ids, caplog):
+def test_a_call_naming_no_adapter_warns_each_time(cm, model, ids):
     fresh = fxlora.compile(model, adapters={"good": cm.pool.adapters["good"]}, max_loras=2, max_rank=8)
-    with caplog.at_level(logging.WARNING, logger="fxlora"):
+    with pytest.warns(fxlora.AdapterWarning) as caught:
+        warnings.simplefilter("always")
         fresh(**ids)
         fresh(**ids)
         fresh(**ids, adapter_names=[None] * ids["input_ids"].shape[0])
-    assert sum("names no adapters while ['good'] are loaded" in r.getMessage() for r in caplog.records) == 1
+    assert sum("names no adapters while ['good'] are loaded" in str(w.message) for w in caught) == 2
+    assert all(w.filename == __file__ for w in caught)  # the warning points at the caller's line

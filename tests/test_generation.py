@@ -95,7 +95,7 @@ def test_hot_swap_needs_no_retrace(setup):
     compiles = cm.compile_count
     config = LoraConfig(r=4, lora_alpha=4, target_modules=lora_module_names(model))
     new = make_adapter(model, config, seed=99, directory="", scale=0.2)
-    cm.load_adapter("c", new)
+    cm.load_adapter(new, adapter_name="c")
     try:
         out = cm.generate(ids, mask, adapter_names=names, max_new_tokens=MAX_NEW, eos_token_id=(), pad_token_id=0)
         ref = reference_generate(model, peft_model_with(model, {"c": new}), names, ids, mask, MAX_NEW, None, 0)

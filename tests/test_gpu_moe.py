@@ -146,7 +146,7 @@ def test_decode_graphs_match_eager_with_swaps():
         for swap in (False, True):
             if swap:
                 cm.unload_adapter("b")
-                cm.load_adapter("b", adapters["c"])  # other weights under the same name and slot
+                cm.load_adapter(adapters["c"], adapter_name="b")  # other weights under the same name and slot
             rt.ids.copy_(torch.randint(3, 200, (8, 1), generator=gen))
             rt.positions.fill_(3)
             rt.mask.fill_(torch.finfo(rt.dtype).min)

@@ -71,7 +71,7 @@ def test_replay_matches_eager_over_buckets_and_swaps(dtype):
             if round == 2:  # hot swap: new weights into the slot of "c"
                 cm.unload_adapter("c")
                 config = LoraConfig(r=8, lora_alpha=8, target_modules=lora_module_names(cpu_model))
-                cm.load_adapter("c", make_adapter(cpu_model, config, seed=100 + bucket, directory=""))
+                cm.load_adapter(make_adapter(cpu_model, config, seed=100 + bucket, directory=""), adapter_name="c")
             for variant in ("lora", "nolora"):
                 replayed = rt.graphs.run((variant, bucket), rt._decode).clone()
                 eager = rt._decode((variant, bucket))
@@ -254,7 +254,7 @@ def test_ten_thousand_replays_with_hot_swaps():
     replays = 0
     while replays < 10_000:
         cm.unload_adapter("b")
-        cm.load_adapter("b", adapters["b"])
+        cm.load_adapter(adapters["b"], adapter_name="b")
         out = cm.generate(ids, adapter_names=names, max_new_tokens=40, eos_token_id=())
         replays += 39
         assert torch.equal(out, first)

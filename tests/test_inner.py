@@ -25,7 +25,7 @@ def test_inductor_serves_a_mixed_batch_and_a_later_load():
     cm = fxlora.compile(model, adapters={"a": a}, max_loras=2, max_rank=8, inner="inductor")
     ids = torch.randint(3, 96, (3, 5))
     assert_matches_peft(cm, model, {"a": a}, ["a", None, "a"], input_ids=ids)
-    cm.load_adapter("b", b)  # copied into the pool's tensors, which the compiled code reads
+    cm.load_adapter(b, adapter_name="b")  # copied into the pool's tensors, which the compiled code reads
     ids = torch.randint(3, 96, (4, 7))  # a new shape: the same compiled graph
     assert_matches_peft(cm, model, {"a": a, "b": b}, [None, "b", "a", "b"], input_ids=ids)
     assert cm.compile_count == 1

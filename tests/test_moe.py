@@ -141,9 +141,9 @@ def test_hot_swap_without_retrace():
     with torch.no_grad():
         cm(input_ids=ids, adapter_names=["a", None])
         compiles = cm.compile_count
-        cm.load_adapter("b", adapters["b"])
+        cm.load_adapter(adapters["b"], adapter_name="b")
         cm.unload_adapter("a")
-        cm.load_adapter("a", adapters["a"])
+        cm.load_adapter(adapters["a"], adapter_name="a")
         assert_matches_peft(cm, model, adapters, ["b", "a"], input_ids=ids)
     assert cm.compile_count == compiles
 

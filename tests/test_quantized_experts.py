@@ -124,7 +124,7 @@ def test_hot_swapped_adapter_on_quantised_experts(moe):
     batch = inputs()
     assert_matches_decomposition(cm, twin, adapters, ["a", None, "a"], **batch)
     compiles = cm.compile_count
-    cm.load_adapter("b", adapters["b"])
+    cm.load_adapter(adapters["b"], adapter_name="b")
     assert_matches_decomposition(cm, twin, adapters, NAMES, **batch)
     assert cm.compile_count == compiles
 

@@ -41,7 +41,7 @@ def single_process(model, directory: Path, script: dict, ids: torch.Tensor) -> d
     out = {}
     with torch.no_grad():
         out["first"] = cm(input_ids=ids, adapter_names=script["first"]).logits
-        cm.load_adapter("c", str(directory / "c"))
+        cm.load_adapter(str(directory / "c"), adapter_name="c")
         out["loaded"] = cm(input_ids=ids, adapter_names=script["loaded"]).logits
         cm.unload_adapter("a")
         out["unloaded"] = cm(input_ids=ids, adapter_names=script["unloaded"]).logits

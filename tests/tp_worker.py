@@ -61,14 +61,14 @@ def main(directory: str, results: str) -> None:
     out, report = {}, {}
     with torch.no_grad():
         out["first"] = cm(input_ids=inputs["ids"], adapter_names=script["first"]).logits
-        cm.load_adapter("c", f"{directory}/c")
+        cm.load_adapter(f"{directory}/c", adapter_name="c")
         out["loaded"] = cm(input_ids=inputs["ids"], adapter_names=script["loaded"]).logits
         cm.unload_adapter("a")
         out["unloaded"] = cm(input_ids=inputs["ids"], adapter_names=script["unloaded"]).logits
         # a load whose adapter only rank 1 cannot read: no rank may change
         before, names = pool_state(cm), cm.adapter_names
         try:
-            cm.load_adapter("d", f"{directory}/c" if rank == 0 else f"{directory}/missing")
+            cm.load_adapter(f"{directory}/c" if rank == 0 else f"{directory}/missing", adapter_name="d")
             report["failed_load"] = "loaded"
         except Exception as e:  # noqa: BLE001 - the test reads what was raised
             report["failed_load"] = f"{type(e).__name__}: {e}"

@@ -398,7 +398,7 @@ class AdapterPool:
             draining = f" ({len(self._draining)} more until the calls reading them end)" if self._draining else ""
             raise AdapterError(
                 f"adapter {name!r}: no free slot: all max_loras={self.max_loras} slots hold {sorted(self.adapters)}"
-                f"{draining}; unload one (unload_adapter) or compile with a larger max_loras="
+                f"{draining}; unload one (unload_adapter) or compile with a larger max_loras= (max_loras={self.max_loras + 1} or more)"
             )
         if adapter.max_rank > self.max_rank:
             worst = max(adapter.modules, key=lambda m: adapter.modules[m].rank)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -30,10 +31,11 @@ from fxlora.compiler.annotate import ModuleTree
 from fxlora.compiler.arena import Arena
 from fxlora.compiler.inner import resolve as resolve_inner
 from fxlora.errors import AdapterError
+from fxlora.runtime import peft_methods
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.explain import GraphRecord
 from fxlora.runtime.instances import Instances
-from fxlora.runtime.routing import Router, compiling, current_selection
+from fxlora.runtime.routing import Router, check_adapter_keywords, compiling, current_selection
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +83,14 @@ class Backend:
             max_rank=options.get("max_rank", 64),
             target_modules=options.get("target_modules"),
         )
+        backend = cls(pool, cuda_graphs=bool(options.get("cuda_graphs", False)), inner=options.get("inner"))
         for name, source in adapters.items():
-            pool.load(read_adapter(name, source))
-        return cls(pool, cuda_graphs=bool(options.get("cuda_graphs", False)), inner=options.get("inner"))
+            backend.load(name, source)
+        return backend
+
+    def load(self, name: str, source: Any) -> None:
+        """Read an adapter and load it into a free slot of the pool."""
+        self.pool.load(read_adapter(name, source))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
         inner = resolve_inner(self.inner, _first_device(example_inputs))
@@ -213,9 +220,43 @@ def fxlora_backend(
         _BACKENDS[id(options)] = backend
         raise_recompile_limit()
     try:
+        model, keywords = _compiled_call()
+        check_adapter_keywords(keywords, _parameters(model), TORCH_COMPILE_SPELLING)
+        if model is not None:
+            peft_methods.guard(model, backend.load, backend.pool.unload)
         return backend(gm, example_inputs)
-    except AdapterError as e:  # an adapter that does not fit a module this graph brought in
+    except (AdapterError, TypeError) as e:  # an adapter that does not fit a module this graph brought in, or a bad call
         return _raising(e)
+
+
+TORCH_COMPILE_SPELLING = (
+    "Under torch.compile rows take adapters from fxlora.use_adapters: `with fxlora.use_adapters([...]): "
+    "compiled(...)`, one name (or None for the base model) per row"
+)
+
+
+def _compiled_call() -> tuple[torch.nn.Module | None, set[str]]:
+    """The module and the keywords of the call whose frame Dynamo is compiling. Dynamo guards on
+    the keywords a frame was called with, so a call with other keywords compiles anew and is
+    checked here too."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        local = dict(tx.f_locals)
+    except Exception:  # noqa: BLE001 - not inside Dynamo's tracing, or another torch: nothing to read
+        return None, set()
+    keywords = {k for name, v in local.items() if name == "kwargs" and isinstance(v, dict) for k in v}
+    candidates = [*local.values(), *(local.get("args") or ())]
+    model = next((v for v in candidates if isinstance(v, torch.nn.Module)), None)
+    return model, keywords
+
+
+def _parameters(model: torch.nn.Module | None) -> set[str]:
+    if model is None:
+        return set()
+    params = inspect.signature(model.forward).parameters.values()
+    return {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
 
 
 def _raising(error: Exception) -> Callable[..., Any]:

@@ -30,6 +30,7 @@ from fxlora.adapters import NO_ADAPTER, sharding
 from fxlora.errors import AdapterError
 from fxlora.runtime.backend import Backend, tracing_as
 from fxlora.runtime.cuda_graphs import GraphSet
+from fxlora.runtime.generation_config import GenerationSettings
 from fxlora.runtime.kv_cache import StaticKVCache, cache_keyword, probe_shapes, rows_of
 from fxlora.runtime.routing import use_slots
 
@@ -202,14 +203,22 @@ class DecodeRuntime:
         attention_mask: torch.Tensor | None = None,
         *,
         adapter_names: Sequence[str | None] | None,
-        max_new_tokens: int,
-        eos_token_id: int | Sequence[int] | None,
-        pad_token_id: int | None,
-        sampling: Sampling,
+        settings: GenerationSettings,
+        generator: torch.Generator | None = None,
+        streamer: Any = None,
     ) -> torch.Tensor:
         """One generate call: the rows' adapters are pinned for the whole call (unloading
-        one meanwhile takes effect after it), and the runtime serves one call at a time."""
+        one meanwhile takes effect after it), and the runtime serves one call at a time.
+        ``streamer`` (transformers' ``BaseStreamer``) is given the prompts, then each step's
+        tokens as the host reads them (a wait for the device per step), then ``end()``."""
         rows, prompt_len = input_ids.shape
+        attention_mask = prompt_mask(input_ids, attention_mask, settings.pad_token_id, settings.eos_token_ids)
+        max_new_tokens = settings.new_tokens(prompt_len)
+        if max_new_tokens < 1:
+            raise ValueError(
+                f"max_length={settings.max_length} leaves no room for new tokens after a prompt of {prompt_len} "
+                "tokens: raise max_length, or pass max_new_tokens"
+            )
         names = list(adapter_names) if adapter_names is not None else [None] * rows
         if len(names) != rows:
             raise AdapterError(f"adapter_names has {len(names)} entries but the batch has {rows} rows")
@@ -229,9 +238,12 @@ class DecodeRuntime:
         slots, _ = pool.acquire(names)
         try:
             with self.backend.lock:
-                return self._generate(input_ids, attention_mask, slots, max_new_tokens, eos_token_id, pad_token_id, sampling)
+                out = self._generate(input_ids, attention_mask, slots, max_new_tokens, settings, generator, streamer)
         finally:
             pool.release(slots)
+        if streamer is not None:
+            streamer.end()
+        return out
 
     def _generate(
         self,
@@ -239,15 +251,19 @@ class DecodeRuntime:
         attention_mask: torch.Tensor | None,
         slots: list[int],
         max_new_tokens: int,
-        eos_token_id: int | Sequence[int] | None,
-        pad_token_id: int | None,
-        sampling: Sampling,
+        settings: GenerationSettings,
+        generator: torch.Generator | None,
+        streamer: Any,
     ) -> torch.Tensor:
         rows, prompt_len = input_ids.shape
-        eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        eos_ids = list(settings.eos_token_ids)
         eos = _to_device(torch.tensor(eos_ids, dtype=torch.long), self.device)
-        pad = pad_token_id if pad_token_id is not None else eos_ids[0] if eos_ids else 0
+        pad = settings.pad_token_id if settings.pad_token_id is not None else eos_ids[0] if eos_ids else 0
+        sampling = Sampling(settings, generator)
+        min_new_tokens = settings.min_tokens(prompt_len)
         ids, keep = _left_align(input_ids.to(self.device), attention_mask, pad)
+        if streamer is not None:
+            streamer.put(ids.cpu())
 
         # prefill: the whole prompt, causal and padding-masked, into cache columns [0, length), replayed from a
         # CUDA graph at a bucketed shape when short (prefill_shape), else run at its own length. Extra rows repeat
@@ -283,8 +299,13 @@ class DecodeRuntime:
         finished = _Finished(rows, len(eos) > 0, max_new_tokens, self.device, wait=self.ranks_agree)
         out = [ids]
         for step in range(max_new_tokens):
-            tokens = torch.where(finished.rows, pad, sampling.pick(logits.float()))
+            logits = logits.float()
+            if step < min_new_tokens and eos_ids:
+                logits[:, eos] = float("-inf")  # no end before min_new_tokens
+            tokens = torch.where(finished.rows, pad, sampling.pick(logits))
             out.append(tokens[:, None])
+            if streamer is not None:
+                streamer.put(tokens.cpu())
             finished.update(step, tokens, eos)
             if step == max_new_tokens - 1 or finished.seen_all(step):
                 break
@@ -385,14 +406,68 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+def prompt_mask(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None, eos_token_ids: Sequence[int]
+) -> torch.Tensor | None:
+    """The mask of real tokens of a batch of prompts, checked: 0 and 1 only, at least one real
+    token per row, real tokens contiguous (left or right padding). Without a mask it is read
+    from the padding, as transformers does: the leading or trailing runs of ``pad_token_id``
+    are padding, unless the pad token is also an end token, where a row that begins or ends
+    with it is ambiguous and refused. Returns None when every token is real."""
+    if attention_mask is None:
+        if pad_token_id is None or input_ids.numel() == 0:
+            return None
+        is_pad = input_ids.cpu() == pad_token_id  # read once per call, on the host
+        edge = is_pad[:, 0] | is_pad[:, -1]
+        if not bool(edge.any()):
+            return None
+        if pad_token_id in eos_token_ids:
+            row = int(edge.nonzero()[0])
+            raise ValueError(
+                f"row {row} of input_ids begins or ends with pad_token_id={pad_token_id}, which is also an end token, "
+                "so its padding cannot be told from its tokens: pass attention_mask"
+            )
+        # padding: the run of pad tokens at the start (left) or at the end (right) of a row
+        lead = is_pad.long().cumprod(1).bool()
+        trail = is_pad.flip(1).long().cumprod(1).flip(1).bool()
+        keep = ~(lead | trail)
+        empty = ~keep.any(1)
+        if bool(empty.any()):
+            raise ValueError(
+                f"row {int(empty.nonzero()[0])} of input_ids holds only pad_token_id={pad_token_id}: every prompt "
+                "needs at least one token (pass attention_mask if the pad token is a real token there)"
+            )
+        return keep.long()
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}")
+    mask = attention_mask.to("cpu")
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (a token) only")
+    keep = mask.bool()
+    empty = ~keep.any(1)
+    if bool(empty.any()):
+        raise ValueError(f"row {int(empty.nonzero()[0])} of attention_mask is all 0: every prompt needs at least one token")
+    # real tokens contiguous: between a row's first and last real token there is no padding
+    first, last = keep.int().argmax(1), keep.shape[1] - 1 - keep.flip(1).int().argmax(1)
+    columns = torch.arange(keep.shape[1])
+    inside = (columns >= first[:, None]) & (columns <= last[:, None])
+    holes = (inside & ~keep).any(1)
+    if bool(holes.any()):
+        raise ValueError(
+            f"row {int(holes.nonzero()[0])} of attention_mask has padding between tokens: fxlora takes left- or "
+            "right-padded prompts (1s in one run)"
+        )
+    return attention_mask
+
+
 def _left_align(ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts moved to the right end of their rows (left padding), and the mask of real
     tokens; a right- or left-padded batch gives the same layout."""
     if attention_mask is None:
         return ids, torch.ones_like(ids, dtype=torch.bool)
     keep = attention_mask.to(ids.device).bool()
-    if keep.shape != ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(keep.shape)} but input_ids has {tuple(ids.shape)}")
     # a stable sort of "is a real token" puts padding first and keeps the tokens' order
     order = torch.sort(keep.int(), dim=1, stable=True).indices
     return torch.where(keep.gather(1, order), ids.gather(1, order), pad), keep.gather(1, order)
@@ -418,21 +493,10 @@ def _check_window(config: Any, max_len: int) -> None:
 class Sampling:
     """Greedy, or temperature / top-k / top-p sampling from ``generator``."""
 
-    def __init__(
-        self,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        generator: torch.Generator | None = None,
-    ):
-        if do_sample and temperature <= 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
-        self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
+    def __init__(self, settings: GenerationSettings, generator: torch.Generator | None = None):
+        self.do_sample, self.temperature, self.top_k, self.top_p = (
+            settings.do_sample, settings.temperature, settings.top_k, settings.top_p,
+        )  # fmt: skip
         self.generator = generator
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
@@ -442,7 +506,7 @@ class Sampling:
         if self.top_k is not None and self.top_k < logits.shape[-1]:
             kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p is not None and self.top_p < 1:
+        if self.top_p < 1:
             sorted_logits, order = logits.sort(dim=-1, descending=False)
             cumulative = sorted_logits.softmax(-1).cumsum(-1)
             drop = cumulative <= 1 - self.top_p

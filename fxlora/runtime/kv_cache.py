@@ -108,7 +108,7 @@ class StaticKVCache(Cache):
     def select_rows(self, rows: int) -> None:
         """Point every layer at the first ``rows`` rows."""
         if not 1 <= rows <= self.row_capacity:
-            advice = ": compile with a larger max_batch_size=" if rows > self.row_capacity else ""
+            advice = f": compile with a larger max_batch_size= (max_batch_size={rows})" if rows > self.row_capacity else ""
             raise ValueError(f"a batch of {rows} rows does not fit the KV cache's {self.row_capacity} rows{advice}")
         self.active_rows = rows
         for layer in self.layers:

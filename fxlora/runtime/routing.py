@@ -16,8 +16,8 @@ import contextlib
 import contextvars
 import logging
 import threading
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,7 @@ from fxlora.adapters import NO_ADAPTER, AdapterPool
 from fxlora.adapters.peft_format import BASE_NAME
 from fxlora.compiler import Variants
 from fxlora.compiler.inner import compile_inner
-from fxlora.errors import AdapterError, LoraNotRunError
+from fxlora.errors import AdapterError, AdapterWarning, LoraNotRunError
 from fxlora.runtime.cuda_graphs import GraphSet, cpu_work
 from fxlora.runtime.instances import Instances
 
@@ -190,18 +190,28 @@ def use_slots(slot_ids: torch.Tensor | None, batch: torch.Tensor | None = None) 
         yield selection
 
 
-_warned: weakref.WeakSet[AdapterPool] = weakref.WeakSet()
-
-
-def warn_unnamed(pool: AdapterPool) -> None:
-    """Once per pool: a call that names no adapters while some are loaded runs the base model."""
-    if pool.adapters and pool not in _warned:
-        _warned.add(pool)
-        log.warning(
-            "a call names no adapters while %s are loaded: every row runs the base model. Pass adapter_names "
-            "(or use fxlora.use_adapters under torch.compile), with None for base-model rows",
-            sorted(pool.adapters),
+def warn_unnamed(pool: AdapterPool, stacklevel: int = 3) -> None:
+    """A call that names no adapters while some are loaded runs the base model: an
+    :class:`AdapterWarning` each time (Python's warning filters decide how often it shows)."""
+    if pool.adapters:
+        warnings.warn(
+            f"a call names no adapters while {sorted(pool.adapters)} are loaded: every row runs the base model. Pass "
+            "adapter_names (or use fxlora.use_adapters under torch.compile), with None for base-model rows",
+            AdapterWarning,
+            stacklevel=stacklevel,
         )
+
+
+ADAPTER_WORDS = ("adapter", "lora")  # a keyword holding one of these looks like an adapter argument
+
+
+def check_adapter_keywords(keywords: Iterable[str], accepted: Container[str], spelling: str) -> None:
+    """Refuse a keyword that looks like an adapter argument but is not one the call takes
+    (``accepted``): a model's ``**kwargs`` would swallow it and every row would run the base
+    model. ``spelling`` says how the call takes adapters."""
+    for key in keywords:
+        if key not in accepted and any(word in key.lower() for word in ADAPTER_WORDS):
+            raise TypeError(f"unexpected keyword {key}=: the model would ignore it and run the base model. {spelling}")
 
 
 def current_selection() -> Selection | None:
