@@ -181,12 +181,7 @@ class CompiledModel(torch.nn.Module):
         if isinstance(source, str) and adapter_name is not None and not _is_dir(source):
             if not isinstance(adapter_name, str) or _is_dir(adapter_name):
                 source, adapter_name = adapter_name, source  # load_adapter(name, source)
-            else:
-                raise AdapterError(
-                    f"adapter {adapter_name!r}: {source!r} is not a directory, nor is {adapter_name!r} (load_adapter "
-                    "takes the adapter's directory, then adapter_name=)"
-                )
-        self._load(adapter_name, source)  # the name is checked with the adapter
+        self._load(adapter_name, source)  # name and source are checked with the adapter (on every rank)
 
     def _load(self, name: str | None, source: AdapterSource) -> None:
         if self._group is None:
