@@ -21,14 +21,20 @@ from tqdm.auto import tqdm
 _bar: contextvars.ContextVar[tqdm | None] = contextvars.ContextVar("fxlora_compile_progress", default=None)
 
 
+def shown(enabled: bool = True) -> dict[str, bool | None]:
+    """tqdm's ``disable`` argument for fxlora's bars: on a terminal only (``None``), and never
+    when ``enabled`` is False. An explicit argument would override ``TQDM_DISABLE``, so where
+    that is set none is passed and tqdm reads it."""
+    if not enabled:
+        return {"disable": True}
+    return {} if "TQDM_DISABLE" in os.environ else {"disable": None}
+
+
 @contextlib.contextmanager
 def bar(desc: str) -> Iterator[None]:
     """Show the progress of the compilation in the block under ``desc``; closed (and gone
     from the terminal) when the block ends."""
-    # disable=None: a terminal only. An explicit argument would override TQDM_DISABLE, so
-    # where that is set, tqdm reads it.
-    shown = {} if "TQDM_DISABLE" in os.environ else {"disable": None}
-    progress = tqdm(desc=desc, total=0, unit="step", leave=False, **shown)
+    progress = tqdm(desc=desc, total=0, unit="step", leave=False, **shown())
     token = _bar.set(progress)
     try:
         yield

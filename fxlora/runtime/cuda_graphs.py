@@ -51,8 +51,10 @@ class GraphSet:
             return
         from tqdm.auto import tqdm
 
+        from fxlora.compiler.progress import shown
+
         start = time.perf_counter()
-        for key in tqdm(keys, desc="fxlora: capturing CUDA graphs", disable=None if progress else True, leave=False):
+        for key in tqdm(keys, desc="fxlora: capturing CUDA graphs", **shown(progress), leave=False):
             try:
                 self.graphs[key] = self._capture_one(fn, key)
             except Exception as e:  # noqa: BLE001 - any failure means: run eagerly, and say why

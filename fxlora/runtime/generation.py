@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fxlora.adapters import NO_ADAPTER, sharding
+from fxlora.compiler.progress import shown
 from fxlora.errors import AdapterError
 from fxlora.runtime.backend import Backend, tracing_as
 from fxlora.runtime.cuda_graphs import GraphSet
@@ -96,7 +97,7 @@ class DecodeRuntime:
         with torch.no_grad():
             log.info("tracing the decode step for batch buckets %s", self.buckets)
             start = time.perf_counter()
-            steps = tqdm(keys, desc="fxlora: tracing decode steps", disable=None if progress else True, leave=False)
+            steps = tqdm(keys, desc="fxlora: tracing decode steps", **shown(progress), leave=False)
             with tracing_as("decode step"):
                 for key in steps:  # traces the decode graphs and measures their allocations
                     self._decode(key)
