@@ -20,6 +20,7 @@ from fxlora.ops.lora_embedding import lora_embedding
 from fxlora.ops.lora_linear import lora_linear, lora_linear_fused
 from fxlora.ops.lora_shrink import lora_shrink
 from fxlora.ops.moe_lora import COMPOSITIONS, moe_lora
+from fxlora.ops.paged_attention import gather_pages
 from fxlora.ops.operands import BatchInfo, LoraWeights
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "LoraWeights",
     "batch_info",
     "decode_attention",
+    "gather_pages",
     "grouped_mm",
     "lora_delta",
     "lora_embedding",
