@@ -29,10 +29,13 @@ from fxlora.compiler.inner import resolve as resolve_inner
 from fxlora.errors import AdapterError, NotServed
 from fxlora.runtime import Backend, peft_methods
 from fxlora.runtime.backend import raise_recompile_limit
+from fxlora.runtime.engine import Engine
 from fxlora.runtime.explain import report
 from fxlora.runtime.generation import PREFILL_GRAPH_TOKENS, DecodeRuntime
 from fxlora.runtime.generation_config import resolve as resolve_generation
 from fxlora.runtime.routing import Selection, check_adapter_keywords, check_names, selecting, warn_unnamed, watch_calls
+from fxlora.runtime.sequence import GenerationOutput
+from fxlora.runtime.serving import Requests, ServingManager, StreamOptions, generate_batch, make_engine
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,8 @@ class CompiledModel(torch.nn.Module):
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: it wraps `model`
         self._runtime_options = dict(runtime_options)
         self._runtime: DecodeRuntime | None = None
+        self._engine: tuple[StreamOptions, Engine] | None = None  # the request stream's, with its options
+        self._manager: ServingManager | None = None
         self._device = next(model.parameters()).device
         self._group = sharding.process_group(model)  # the tensor-parallel ranks' group, or None
         self._forward_keywords = frozenset(inspect.signature(model.forward).parameters)
@@ -132,6 +137,63 @@ class CompiledModel(torch.nn.Module):
             if self._runtime is None:
                 self._runtime = DecodeRuntime(self.model, self._compiled, self._backend, **self._runtime_options)
         return self._runtime
+
+    # -- the request stream ---------------------------------------------------------------------
+    def serve(self, *, generation_config: Any = None, **options: Any) -> ServingManager:
+        """A serving loop for a stream of requests, run on a background thread: use it as
+        ``with cm.serve() as manager:``, then ``manager.add_request(...)``,
+        ``get_result``, ``request_id_iter``, ``cancel_request`` from any thread.
+        ``generation_config`` gives the requests' defaults (else the model's); ``options`` are
+        :class:`~fxlora.runtime.serving.StreamOptions` fields (``max_batch_size``,
+        ``max_len``, ``kv_cache_memory``, ``block_size``, ...), by default the compile's."""
+        with self._backend.lock:
+            if self._manager is not None and self._manager.is_running():
+                raise RuntimeError("this model is already serving: stop the running manager first (manager.stop())")
+            self._manager = ServingManager(self._requests(options, generation_config))
+        return self._manager
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        inputs: Sequence[Sequence[int]],
+        adapter_names: Sequence[str | None] | None = None,
+        max_new_tokens: int | Sequence[int] | None = None,
+        *,
+        generation_config: Any = None,
+        progress_bar: bool = True,
+        **settings: Any,
+    ) -> list[GenerationOutput]:
+        """Generate for every input (a list of token-id lists of any lengths) with continuous
+        batching, each with its own adapter (``adapter_names``, one per input or None) and
+        settings; returns one :class:`GenerationOutput` per input, in input order. Any setting
+        (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
+        ``min_new_tokens``) may be one value or a list of one per input; ``eos_token_id`` /
+        ``stop_token_ids`` are per input when given as a list of lists (or Nones). A bad input
+        finishes with ``finish_reason="error"`` and the others run. While a serving loop runs
+        (``cm.serve()``), the inputs go through it."""
+        settings["max_new_tokens"] = max_new_tokens
+        per_input = {}
+        for key, value in list(settings.items()):
+            if key in ("eos_token_id", "stop_token_ids"):
+                if isinstance(value, (list, tuple)) and value and all(v is None or isinstance(v, (list, tuple)) for v in value):
+                    per_input[key] = settings.pop(key)
+            elif isinstance(value, (list, tuple)):
+                per_input[key] = settings.pop(key)
+        manager = self._manager if self._manager is not None and self._manager.is_running() else None
+        requests = self._requests({}, generation_config)
+        return generate_batch(requests, inputs, adapter_names, per_input, settings, progress_bar, manager)
+
+    def _requests(self, options: Mapping[str, Any], generation_config: Any) -> Requests:
+        """The request builder over this model's engine, built (or rebuilt, for other options) now."""
+        defaults = {k: self._runtime_options[k] for k in ("max_batch_size", "max_len", "cuda_graphs", "prefill_graph_tokens")}
+        wanted = StreamOptions(**{**defaults, "buckets": _tuple(self._runtime_options["buckets"]), **options})
+        with self._backend.lock:
+            if self._engine is None or (options and self._engine[0] != wanted):
+                engine = make_engine(self.model, self._compiled, self._backend, wanted)
+                self._engine = (wanted, engine)
+            engine = self._engine[1]
+        vocab = getattr(self.config.get_text_config(decoder=True), "vocab_size", None)
+        return Requests(engine, self.pool, self.generation_config, generation_config, vocab)
 
     @torch.no_grad()
     def generate(
@@ -230,6 +292,10 @@ def mark_batch_dims_dynamic(x: Any) -> None:
         for d in range(min(x.dim(), 2)):
             if x.shape[d] > 1:
                 torch._dynamo.maybe_mark_dynamic(x, d)
+
+
+def _tuple(buckets: Sequence[int] | None) -> tuple[int, ...] | None:
+    return tuple(buckets) if buckets is not None else None
 
 
 def _is_dir(path: str) -> bool:

@@ -1,11 +1,15 @@
-"""decode_attention: SDPA over a KV cache at a decode step becomes ``fxlora::decode_attention``.
+"""decode_attention: SDPA over a KV cache at a decode step becomes ``fxlora::decode_attention``,
+or ``fxlora::paged_decode_attention`` over a paged cache.
 
 Matches ``scaled_dot_product_attention(q, key, value, attn_mask=mask, ...)`` where ``q`` has
 one position per row, ``mask`` is a 4-D tensor, ``is_causal`` and dropout are off, and
 ``key`` / ``value`` are either the cached tensors themselves or transformers' ``repeat_kv``
 of them (``x[:, :, None].expand(b, kv_heads, group, n, d).reshape(b, heads, n, d)``). The op
 takes the cached tensors as they are: grouped-query heads are read once, not copied to every
-query head first, and on CUDA the masked cache blocks are skipped. Attention with a
+query head first, and on CUDA the masked cache blocks are skipped. When the cached keys and
+values are ``fxlora::gather_pages(pages, block_table)`` of a paged cache, both through the
+same block table, the op is ``paged_decode_attention`` over the pages and the table, and
+the gathers go: the attention reads each row's blocks where they lie. Attention with a
 soft-cap or another score function is not an SDPA call and is left alone, as is every
 prefill (several query positions). Runs on both variants, before ``nolora`` is copied,
 where the compiled code runs on CUDA (on CPU ``nolora`` stays the traced model op for op).
@@ -24,10 +28,12 @@ from fxlora.compiler.graph_edit import call_arg, meta_shape, meta_value, replace
 
 SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 _NEW_AXIS = (slice(None), slice(None), None, slice(None), slice(None))
+GATHER = {torch.ops.fxlora.gather_pages, torch.ops.fxlora.gather_pages.default}  # Dynamo records the packet
+PAGED = torch.ops.fxlora.paged_decode_attention.default
 
 
 def decode_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    served = 0
+    served = paged = 0
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]:
         q, mask = call_arg(node, 0, "query"), call_arg(node, 3, "attn_mask")
         q_shape, mask_value = meta_shape(q), meta_value(mask)
@@ -45,12 +51,22 @@ def decode_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         scale = call_arg(node, 6, "scale")
         scale = float(scale) if scale is not None else q_shape[-1] ** -0.5
         old_kv = [call_arg(node, 1, "key"), call_arg(node, 2, "value")]
-        replace_with(gm, node, torch.ops.fxlora.decode_attention.default, (q, *kv, mask, scale))
+        pages = [_gathered(t) for t in kv]
+        on_pages = all(p is not None for p in pages) and pages[0][1] is pages[1][1]  # one table for both
+        if on_pages:
+            (k_pages, table), (v_pages, _) = pages
+            replace_with(gm, node, PAGED, (q, k_pages, v_pages, table, mask, scale))
+        else:
+            replace_with(gm, node, torch.ops.fxlora.decode_attention.default, (q, *kv, mask, scale))
         for n in old_kv:
             _erase_dead(gm, n)
-        served += 1
+        for n in dict.fromkeys(kv):  # a paged attention's gathers go, unless something else reads them
+            if on_pages and not n.users:
+                gm.graph.erase_node(n)
+        served, paged = served + 1, paged + on_pages
     if served:
-        ctx.note(f"decode_attention: {served} SDPA call(s) over the KV cache read grouped heads as cached")
+        ctx.note(f"decode_attention: {served} SDPA call(s) over the KV cache read grouped heads as cached"
+                 + (f", {paged} of them from its pages" if paged else ""))  # fmt: skip
         gm.graph.lint()
         gm.recompile()
     return gm
@@ -72,6 +88,13 @@ def _cached(node: fx.Node, heads: int) -> fx.Node | None:
     if (source_shape[0], source_shape[2], source_shape[3]) != (shape[0], shape[2], shape[3]):
         return None
     return source
+
+
+def _gathered(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(pages, block_table)`` when ``node`` is ``fxlora::gather_pages`` of them; None otherwise."""
+    if node.op != "call_function" or node.target not in GATHER:
+        return None
+    return call_arg(node, 0, "pages"), call_arg(node, 1, "block_table")
 
 
 def _is_repeat(node: fx.Node) -> bool:

@@ -20,8 +20,8 @@ from fxlora.ops.lora_embedding import lora_embedding
 from fxlora.ops.lora_linear import lora_linear, lora_linear_fused
 from fxlora.ops.lora_shrink import lora_shrink
 from fxlora.ops.moe_lora import COMPOSITIONS, moe_lora
-from fxlora.ops.paged_attention import gather_pages
 from fxlora.ops.operands import BatchInfo, LoraWeights
+from fxlora.ops.paged_attention import gather_pages, paged_decode_attention
 
 __all__ = [
     "COMPOSITIONS",
@@ -37,4 +37,5 @@ __all__ = [
     "lora_linear_fused",
     "lora_shrink",
     "moe_lora",
+    "paged_decode_attention",
 ]

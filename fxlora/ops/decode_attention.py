@@ -35,11 +35,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return decode_attention_reference(q, k, v, mask, scale)
 
 
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` as the kernels read it: additive, a boolean one's hidden columns at -inf."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def decode_attention_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    mask = additive(mask, q.dtype)
     return kernel.decode_attention(q.contiguous(), k, v, mask, scale, torch.finfo(mask.dtype).min)
 
 

@@ -17,7 +17,6 @@ prefills run eagerly at their own length.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,8 +31,8 @@ from fxlora.errors import AdapterError
 from fxlora.runtime.backend import Backend, tracing_as
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.generation_config import GenerationSettings
-from fxlora.runtime.kv_cache import StaticKVCache, cache_keyword, probe_shapes, rows_of
-from fxlora.runtime.routing import use_slots
+from fxlora.runtime.kv_cache import StaticKVCache, probe_shapes, rows_of
+from fxlora.runtime.model_call import ModelCall
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +88,7 @@ class DecodeRuntime:
         self.slot_ids = torch.full((rows,), -1, dtype=torch.int32, device=dev)
         self.column = torch.zeros(1, dtype=torch.long, device=dev)
         self._prefill_inputs: dict[tuple[int, int], _PrefillInputs] = {}  # captured prefills' inputs, by shape
-        forward = inspect.signature(model.forward).parameters
-        self._extra = {k: v for k, v in (("logits_to_keep", 1), ("cache_position", None)) if k in forward}
-        self._cache_keyword = cache_keyword(model)
+        self.model_call = ModelCall(model, step, backend)
         self.graphs = GraphSet(self.device, cuda_graphs)
         keys = [(v, b) for b in sorted(self.buckets, reverse=True) for v in VARIANTS]
         with torch.no_grad():
@@ -112,27 +109,7 @@ class DecodeRuntime:
         the last position, ``(rows, vocab)``."""
         self.cache.select_rows(rows)
         self.cache.columns = columns
-        extra = dict(self._extra)
-        if "cache_position" in extra:
-            extra["cache_position"] = columns
-        # one trace serves every bucket and prompt length: rows and columns are dynamic
-        for t, dims in ((ids, (0, 1)), (positions, (0, 1)), (mask, (0, 2)), (columns, (0,)), *self.cache.tensors()):
-            for d in dims:
-                if t.shape[d] > 1:
-                    torch._dynamo.maybe_mark_dynamic(t, d)
-        with use_slots(slot_ids, batch=ids) as selection:
-            out = self.step(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=mask,
-                use_cache=True,
-                **{self._cache_keyword: self.cache},
-                **extra,
-            )
-        if slot_ids is not None:
-            selection.require(set(self.backend.rewritten))
-        logits = out.logits if hasattr(out, "logits") else out[0]
-        return logits[:, -1]
+        return self.model_call(self.cache, ids, positions, mask, columns, slot_ids, dynamic=self.cache.tensors())
 
     def _decode(self, key: tuple[str, int]) -> torch.Tensor:
         variant, rows = key

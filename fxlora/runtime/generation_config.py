@@ -126,8 +126,11 @@ def resolve(
                 UserWarning,
                 stacklevel=3,
             )
+    max_new_tokens = values["max_new_tokens"]
+    if max_new_tokens is None and "max_length" not in given and values["max_length"] in (None, DEFAULTS["max_length"]):
+        max_new_tokens = DEFAULTS["max_length"]  # transformers: a default max_length counts new tokens
     settings = GenerationSettings(
-        max_new_tokens=_count("max_new_tokens", values["max_new_tokens"], 1),
+        max_new_tokens=_count("max_new_tokens", max_new_tokens, 1),
         max_length=_count("max_length", effective["max_length"], 1),
         min_new_tokens=_count("min_new_tokens", values["min_new_tokens"], 0),
         min_length=_count("min_length", effective["min_length"], 0),

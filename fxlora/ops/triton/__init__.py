@@ -1,5 +1,6 @@
 """The Triton kernels and their launchers: ``sgmv`` (segmented shrink and expand), ``bgmv``
-(per-token expand), ``slot_sort`` (batch info in one launch) and ``decode_attention``; their launch parameters per
+(per-token expand), ``slot_sort`` (batch info in one launch) and ``decode_attention`` (over a KV cache
+contiguous per row, or paged); their launch parameters per
 device and shape class in ``launch_table``. Triton ships with CUDA builds of PyTorch; a
 CPU-only install runs the ops' reference implementations and needs no Triton: then the kernel
 modules here are None."""

@@ -1,0 +1,201 @@
+"""The request stream's loop: admit, prefill, decode a window, read, end, emit.
+
+:meth:`Engine.step` is one turn. It takes the requests added and cancelled since the last
+turn, ends what was cancelled, admits waiting requests into free rows (:class:`Scheduler`),
+prefills them and reads their first tokens, then runs a window of decode steps over every
+live row (a few steps, issued back to back with no read between them), reads the window's
+tokens once, ends the rows that finished, and closes the gaps they leave so the batch stays
+in its smallest bucket. A turn holds the backend's lock, so calls of the compiled model from
+other threads run between turns; the caller hands the turn's events on, then
+:meth:`Engine.forget` frees the ended requests' ids. The engine only coordinates: the scheduler decides who runs,
+the runner runs them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from fxlora.adapters import NO_ADAPTER, AdapterPool
+from fxlora.runtime.runner import StreamRunner
+from fxlora.runtime.scheduler import Scheduler
+from fxlora.runtime.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A request's news from one turn: new tokens (for a streaming request), or its end."""
+
+    seq: Sequence
+    finished: bool
+
+
+class Engine:
+    def __init__(self, runner: StreamRunner, pool: AdapterPool, lock: threading.RLock, max_prefill_tokens: int):
+        self.runner, self.lock = runner, lock
+        self.scheduler = Scheduler(runner.cache.allocator, pool, runner.max_rows, max_prefill_tokens)
+        self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self._cancelled: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._known: dict[str, Sequence] = {}  # every request added and not yet ended
+        self._known_lock = threading.Lock()
+        self._ids = itertools.count()
+
+    def new_id(self) -> str:
+        """A request id no other request of this engine has had."""
+        with self._known_lock:
+            return f"req_{next(self._ids)}"
+
+    # -- from any thread -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        with self._known_lock:
+            if seq.request_id in self._known:
+                raise ValueError(f"request id {seq.request_id!r} is already in use by a request that has not ended")
+            self._known[seq.request_id] = seq
+        self._inbox.put(seq)
+
+    def cancel(self, request_id: str) -> None:
+        self._cancelled.put(request_id)
+
+    def knows(self, request_id: str) -> bool:
+        """Whether ``request_id`` is in flight (added and not ended)."""
+        with self._known_lock:
+            return request_id in self._known
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._known)
+
+    # -- one turn --------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        events: list[Event] = []
+        with self.lock:
+            self._take_inbox(events)
+            self._admit(events)
+            self._decode(events)
+        return events
+
+    def forget(self, events: list[Event]) -> None:
+        """The ended requests of ``events`` were handed on: their ids are free again."""
+        with self._known_lock:
+            for event in events:
+                if event.finished:
+                    self._known.pop(event.seq.request_id, None)
+
+    def fail_all(self, reason: str, error: str | None = None) -> list[Event]:
+        """End every request in flight with ``reason`` (and ``error``): the loop broke, or is
+        stopping."""
+        with self.lock:
+            ended = self.scheduler.fail_waiting(reason, error)
+            while True:
+                try:
+                    ended.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for seq in list(self.scheduler.running):
+                self.scheduler.retire(seq)
+                ended.append(seq)
+            self.runner.stop(list(range(self.runner.max_rows)))
+            for seq in ended:
+                if seq.status is not Status.FINISHED:
+                    seq.finish(reason, error)
+        return [Event(seq, True) for seq in ended]
+
+    def _take_inbox(self, events: list[Event]) -> None:
+        while True:
+            try:
+                self.scheduler.add(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        cancelled = set()
+        while True:
+            try:
+                cancelled.add(self._cancelled.get_nowait())
+            except queue.Empty:
+                break
+        if not cancelled:
+            return
+        for seq in self.scheduler.waiting:
+            if seq.request_id in cancelled:
+                seq.cancel_requested = True  # ended at admission, in order
+        ended = [seq for seq in self.scheduler.running if seq.request_id in cancelled]
+        self.runner.stop([seq.row for seq in ended])
+        for seq in ended:
+            seq.finish("cancelled")
+        self._end(ended, events)
+
+    def _admit(self, events: list[Event]) -> None:
+        admitted, failed = self.scheduler.admit()
+        events += [Event(seq, True) for seq in failed]
+        if not admitted:
+            return
+        first_row = len(self.scheduler.running) - len(admitted)
+        rows = list(range(first_row, first_row + len(admitted)))
+        for row, seq in zip(rows, admitted):
+            seq.row = row
+            self.scheduler.grow(seq, len(seq.prompt_ids) + self.runner.window)
+        self.runner.place(rows, [s.decoding for s in admitted], [s.slot for s in admitted], [s.blocks for s in admitted])
+        uses_adapters = any(s.slot != NO_ADAPTER for s in admitted)
+        tokens = self.runner.prefill(rows, [s.prompt_ids for s in admitted], [s.blocks for s in admitted], uses_adapters)
+        now = time.perf_counter()
+        ended = []
+        for seq, token in zip(admitted, tokens.tolist()):
+            seq.generated.append(token)
+            seq.first_token_time = now
+            if token in seq.decoding.eos_token_ids and seq.decoding.min_new_tokens < 1:
+                seq.finish("stop")
+            elif seq.decoding.max_new_tokens <= 1:
+                seq.finish("length")
+            if seq.status is Status.FINISHED:
+                ended.append(seq)
+            elif seq.streaming:
+                events.append(Event(seq, False))
+        self._end(ended, events)
+
+    def _decode(self, events: list[Event]) -> None:
+        running = self.scheduler.running
+        if not running:
+            return
+        steps = min(self.runner.window, max(s.decoding.max_new_tokens - len(s.generated) for s in running))
+        entries = []
+        for seq in running:  # blocks for every column the window may write
+            entries += [(seq.row, i, block) for i, block in self.scheduler.grow(seq, seq.length + steps)]
+        self.runner.extend_blocks(entries)
+        sampling = any(s.decoding.do_sample for s in running)
+        self.runner.decode(len(running), steps, self.scheduler.uses_adapters, sampling)
+        tokens, live = self.runner.read(len(running), steps)
+        ended = []
+        for seq in running:
+            new = [t for t in tokens[:, seq.row].tolist() if t >= 0]
+            seq.generated += new
+            if not bool(live[seq.row]):
+                last = seq.generated[-1]
+                stop = last in seq.decoding.eos_token_ids and len(seq.generated) > seq.decoding.min_new_tokens
+                seq.finish("stop" if stop else "length")
+                ended.append(seq)
+            elif new and seq.streaming:
+                events.append(Event(seq, False))
+        self._end(ended, events)
+
+    def _end(self, ended: list[Sequence], events: list[Event]) -> None:
+        """Retire ended running requests and close the gaps in the batch's rows."""
+        if not ended:
+            return
+        before = len(self.scheduler.running)
+        for seq in ended:
+            self.scheduler.retire(seq)
+            seq.row = None
+            events.append(Event(seq, True))
+        sources, targets = [], []
+        for i, seq in enumerate(self.scheduler.running):
+            if seq.row != i:
+                sources.append(seq.row)
+                targets.append(i)
+                seq.row = i
+        self.runner.move(sources, targets)
+        self.runner.stop(list(range(len(self.scheduler.running), before)))  # rows a moved one left

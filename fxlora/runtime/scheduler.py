@@ -1,0 +1,100 @@
+"""Which requests run: admission into the running batch, and what ends.
+
+The scheduler keeps the waiting requests in arrival order and the running ones in the rows of
+the batch. At each of the engine's decision points it ends what finished (returning its
+KV-cache blocks and its adapter's pin) and admits waiting requests while a row is free, the
+blocks their longest outcome needs can be promised, and the prefill stays within its token
+budget (the first request is admitted whatever its length). Admission resolves the request's
+adapter to a pool slot and pins it until the request ends, so an adapter unloaded meanwhile
+keeps serving the requests admitted with it; a request whose adapter is gone fails alone.
+Requests are admitted in order: one that waits for blocks holds back those behind it, so no
+request waits longer than the running ones take to free what it needs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from fxlora.adapters import NO_ADAPTER, AdapterPool
+from fxlora.errors import AdapterError
+from fxlora.runtime.block_allocator import BlockAllocator, blocks_for
+from fxlora.runtime.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, pool: AdapterPool, max_rows: int, max_prefill_tokens: int):
+        self.allocator, self.pool = allocator, pool
+        self.max_rows, self.max_prefill_tokens = max_rows, max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in the order of the batch's rows
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def admit(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The waiting requests that join the batch now, and those that failed on admission
+        (their adapter no longer loaded)."""
+        admitted: list[Sequence] = []
+        failed: list[Sequence] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(admitted) < self.max_rows:
+            seq = self.waiting[0]
+            if seq.cancel_requested:
+                self.waiting.popleft()
+                seq.finish("cancelled")
+                failed.append(seq)
+                continue
+            need = blocks_for(seq.max_length, self.allocator.block_size)
+            if admitted and tokens + len(seq.prompt_ids) > self.max_prefill_tokens:
+                break
+            if not self.allocator.can_promise(need):
+                break
+            self.waiting.popleft()
+            try:
+                (seq.slot,), _ = self.pool.acquire([seq.adapter_name])
+            except AdapterError as e:
+                seq.finish("error", f"request {seq.request_id!r}: {e}")
+                failed.append(seq)
+                continue
+            self.allocator.promise(need)
+            seq.reserved, seq.status = need, Status.RUNNING
+            tokens += len(seq.prompt_ids)
+            admitted.append(seq)
+        self.running += admitted
+        return admitted, failed
+
+    def grow(self, seq: Sequence, tokens: int) -> list[tuple[int, int]]:
+        """Blocks for ``seq`` to hold ``tokens`` tokens (at most its longest outcome), taken
+        from its promise; returns the new ``(index, block)`` entries of its block table."""
+        new = []
+        while len(seq.blocks) * self.allocator.block_size < min(tokens, seq.max_length):
+            seq.blocks.append(self.allocator.take())
+            seq.reserved -= 1
+            new.append((len(seq.blocks) - 1, seq.blocks[-1]))
+        return new
+
+    def retire(self, seq: Sequence) -> None:
+        """``seq`` ended: its blocks, its promise and its adapter's pin go back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.allocator.release(seq.blocks, seq.reserved)
+        seq.blocks, seq.reserved = [], 0
+        if seq.slot is not None:
+            self.pool.release([seq.slot])
+            seq.slot = None
+
+    def fail_waiting(self, reason: str, error: str | None = None) -> list[Sequence]:
+        """End every waiting request (the engine is stopping, or broke)."""
+        ended = list(self.waiting)
+        self.waiting.clear()
+        for seq in ended:
+            seq.finish(reason, error)
+        return ended
+
+    @property
+    def uses_adapters(self) -> bool:
+        return any(seq.slot not in (None, NO_ADAPTER) for seq in self.running)

@@ -1,0 +1,403 @@
+"""The request stream in transformers' words: ``generate_batch`` and a serving loop with
+``add_request``, ``get_result``, ``request_id_iter`` and ``cancel_request``.
+
+:class:`Requests` turns what a caller gives (token ids, an adapter name, a length limit and
+sampling settings, read as transformers' ``generate`` reads them) into checked
+:class:`Sequence` objects, refusing a bad request by name before it reaches the engine.
+:func:`generate_batch` runs a list of inputs to the end in the caller's thread.
+:class:`ServingManager` runs the engine's turns on a background thread while requests are
+added, read and cancelled from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fxlora.adapters import AdapterPool
+from fxlora.compiler.progress import shown
+from fxlora.errors import AdapterError, GenerationConfigError
+from fxlora.runtime.backend import Backend
+from fxlora.runtime.block_allocator import blocks_for
+from fxlora.runtime.engine import Engine, Event
+from fxlora.runtime.generation_config import resolve
+from fxlora.runtime.kv_cache import probe_shapes
+from fxlora.runtime.paged_cache import PagedKVCache
+from fxlora.runtime.runner import MAX_EOS, StreamRunner
+from fxlora.runtime.sequence import Decoding, GenerationOutput, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """How the request stream is served (``cm.serve(...)``, ``cm.generate_batch``)."""
+
+    max_batch_size: int  # rows decoded together
+    max_len: int  # tokens of one request: prompt and new tokens
+    kv_cache_memory: int | float | None = None  # bytes, or a fraction of free device memory; None: max_batch_size x max_len
+    block_size: int = 16  # tokens per KV-cache block
+    max_prefill_tokens: int = 4096  # prompt tokens one prefill admits (the first request whatever its length)
+    window: int = 8  # decode steps between the host's reads of the tokens
+    buckets: tuple[int, ...] | None = None
+    cuda_graphs: bool | None = None
+    prefill_graph_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_len", "block_size", "max_prefill_tokens", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        memory = self.kv_cache_memory
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0
+                                   or (isinstance(memory, float) and memory > 1)):  # fmt: skip
+            raise ValueError(f"kv_cache_memory must be bytes (an int > 0) or a fraction of free memory in (0, 1], got {memory!r}")
+
+
+def make_engine(model: torch.nn.Module, step: Any, backend: Backend, options: StreamOptions, progress: bool = True) -> Engine:
+    """The engine of ``options``: a paged KV cache sized from its memory budget, the runner's
+    buffers, and its decode graphs traced and captured."""
+    param = next(model.parameters())
+    shapes = probe_shapes(model, param.device)
+    block = PagedKVCache.block_bytes(shapes, options.block_size, param.dtype)
+    memory = options.kv_cache_memory
+    if memory is None:
+        budget = blocks_for(options.max_len, options.block_size) * options.max_batch_size * block
+    elif isinstance(memory, float):
+        if param.device.type != "cuda":
+            raise ValueError(f"kv_cache_memory as a fraction of free memory needs a CUDA device, the model is on {param.device}")
+        budget = int(torch.cuda.mem_get_info(param.device)[0] * memory)
+    else:
+        budget = memory
+    num_blocks = budget // block + 1  # and the scratch block
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_memory={memory!r} holds no KV-cache block of {block} bytes")
+    runner = StreamRunner(
+        model, step, backend, max_rows=options.max_batch_size, max_len=options.max_len, num_blocks=num_blocks,
+        block_size=options.block_size, window=options.window, buckets=options.buckets, cuda_graphs=options.cuda_graphs,
+        prefill_graph_tokens=options.prefill_graph_tokens, layer_shapes=shapes,
+    )  # fmt: skip
+    log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size, runner.cache.nbytes / 2**20)
+    with backend.lock, torch.no_grad():
+        runner.warm_up(progress)
+    return Engine(runner, backend.pool, backend.lock, options.max_prefill_tokens)
+
+
+class Requests:
+    """Builds checked requests for one engine."""
+
+    def __init__(self, engine: Engine, pool: AdapterPool, model_config: Any, generation_config: Any, vocab_size: int | None):
+        self.engine, self.pool = engine, pool
+        self.model_config, self.generation_config, self.vocab_size = model_config, generation_config, vocab_size
+    def make(
+        self,
+        input_ids: Any,
+        adapter_name: str | None = None,
+        max_new_tokens: int | None = None,
+        request_id: str | None = None,
+        streaming: bool = False,
+        seed: int | None = None,
+        stop_token_ids: Any = None,
+        **settings: Any,
+    ) -> Sequence:
+        """A request, checked: raises naming the request and the cause."""
+        request_id = self.engine.new_id() if request_id is None else request_id
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        try:
+            prompt = _prompt(input_ids, self.vocab_size)
+            if stop_token_ids is not None:
+                if settings.get("eos_token_id") is not None:
+                    raise ValueError("pass eos_token_id or stop_token_ids, not both")
+                settings["eos_token_id"] = stop_token_ids
+            config = resolve(self.model_config, self.generation_config, max_new_tokens=max_new_tokens, **settings)
+            config.check_tokens(self.vocab_size)
+            if len(config.eos_token_ids) > MAX_EOS:
+                raise GenerationConfigError(f"at most {MAX_EOS} end tokens per request, got {len(config.eos_token_ids)}")
+            new_tokens = config.new_tokens(len(prompt))
+            if new_tokens < 1:
+                raise GenerationConfigError(f"max_length={config.max_length} leaves no room after a prompt of {len(prompt)} tokens")
+            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+                raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+            decoding = Decoding(
+                max_new_tokens=new_tokens,
+                min_new_tokens=config.min_tokens(len(prompt)),
+                eos_token_ids=config.eos_token_ids,
+                do_sample=config.do_sample,
+                temperature=config.temperature,
+                top_k=config.top_k,
+                top_p=config.top_p,
+                seed=seed if seed is not None else int(torch.randint(0, 2**62, ())),
+            )
+            runner = self.engine.runner
+            if len(prompt) + new_tokens > runner.max_len:
+                raise ValueError(
+                    f"prompt length {len(prompt)} + max_new_tokens {new_tokens} exceeds max_len={runner.max_len}: ask "
+                    f"for fewer new tokens, or serve with max_len={len(prompt) + new_tokens} or more"
+                )
+            need, blocks = blocks_for(len(prompt) + new_tokens, runner.cache.block_size), runner.cache.allocator.num_blocks - 1
+            if need > blocks:
+                raise ValueError(
+                    f"the request needs {need} KV-cache blocks, more than the cache's {blocks}: give the cache more memory"
+                )
+            if adapter_name is not None:
+                if not isinstance(adapter_name, str):
+                    raise AdapterError(f"adapter_name must be a name or None, got {adapter_name!r}")
+                if adapter_name not in self.pool.adapters:
+                    raise AdapterError(f"unknown adapter {adapter_name!r}; loaded: {sorted(self.pool.adapters)}")
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"request {request_id!r}: {e}") from None
+        return Sequence(request_id, prompt, adapter_name, decoding, streaming)
+
+
+def _prompt(input_ids: Any, vocab_size: int | None) -> list[int]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be one prompt's token ids, got a tensor of shape {tuple(input_ids.shape)}")
+        input_ids = input_ids.tolist()
+    if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Seq):
+        raise TypeError(f"input_ids must be a list of token ids, got {type(input_ids).__name__}")
+    prompt = list(input_ids)
+    if not prompt:
+        raise ValueError("the prompt is empty: a request needs at least one token")
+    for t in prompt:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"token {t!r} of the prompt is not a token id of the model (0 <= id < {vocab_size})")
+    return prompt
+
+
+def generate_batch(
+    requests: Requests,
+    inputs: Seq[Any],
+    adapter_names: Seq[str | None] | None,
+    per_input: dict[str, Any],
+    settings: dict[str, Any],
+    progress_bar: bool,
+    manager: ServingManager | None = None,
+) -> list[GenerationOutput]:
+    """Every input to its end; results in input order. A bad input gets a result with
+    ``finish_reason="error"`` and its message, and the others run. The engine's turns run in
+    the caller's thread, or in ``manager``'s loop when given."""
+    if isinstance(inputs, (str, torch.Tensor)) or not isinstance(inputs, Seq):
+        raise TypeError(f"inputs must be a list of token-id lists, got {type(inputs).__name__}")
+    n = len(inputs)
+    names = list(adapter_names) if adapter_names is not None else [None] * n
+    if isinstance(adapter_names, str) or len(names) != n:
+        raise AdapterError(f"adapter_names must have one entry (a name or None) per input: {n} inputs, got {adapter_names!r}")
+    for key, values in per_input.items():
+        if len(values) != n:
+            raise ValueError(f"{key} has {len(values)} values for {n} inputs")
+    outputs: list[GenerationOutput | None] = [None] * n
+    index: dict[str, int] = {}
+    seqs = []
+    for i, (prompt, name) in enumerate(zip(inputs, names)):
+        kw = {**settings, **{k: v[i] for k, v in per_input.items()}}
+        request_id = requests.engine.new_id()
+        try:
+            seqs.append(requests.make(prompt, adapter_name=name, request_id=request_id, **kw))
+            index[request_id] = i
+        except (ValueError, TypeError) as e:
+            outputs[i] = GenerationOutput(request_id, _ids_or_empty(prompt), adapter_name=name, finish_reason="error", error=str(e))
+    from tqdm.auto import tqdm
+
+    with tqdm(total=n, desc="fxlora: generating", unit="request", **shown(progress_bar)) as bar:
+        bar.update(n - len(index))
+        if manager is not None:
+            for seq in seqs:
+                manager.add(seq)
+            for request_id, i in index.items():
+                outputs[i] = manager.get_result(request_id)
+                bar.update()
+            return outputs  # type: ignore[return-value]
+        engine = requests.engine
+        for seq in seqs:
+            engine.add(seq)
+        try:
+            while len(index):
+                events = engine.step()
+                for event in events:
+                    i = index.pop(event.seq.request_id, None) if event.finished else None
+                    if i is not None:
+                        outputs[i] = event.seq.output()
+                        bar.update()
+                engine.forget(events)
+        except BaseException as e:
+            engine.forget(engine.fail_all("error", f"{type(e).__name__}: {e}"))
+            raise
+    return outputs  # type: ignore[return-value]
+
+
+def _ids_or_empty(prompt: Any) -> list[int]:
+    try:
+        return [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+    except (TypeError, ValueError):
+        return []
+
+
+class ServingManager:
+    """A running loop over the engine, on a background thread (a daemon, named
+    ``fxlora-serving``). Use it as a context manager: ``with cm.serve() as manager``.
+
+    Each finished result is handed out once: to ``get_result(request_id)`` or
+    ``request_id_iter(request_id)`` if asked for by id, otherwise to ``get_result()`` or
+    iteration, oldest first. A streaming request's partial results go to
+    ``request_id_iter``; unread, they are dropped with the request's final result."""
+
+    def __init__(self, requests: Requests):
+        self.requests, self.engine = requests, requests.engine
+        self._results: dict[str, list[GenerationOutput]] = {}  # per request: partials, then the final one
+        self._order: list[str] = []  # finished requests, oldest first, not yet handed out
+        self._changed = threading.Condition()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> ServingManager:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="fxlora-serving", daemon=True)
+            self._thread.start()
+        return self
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        """Stop the loop: requests still in flight end with ``finish_reason="cancelled"``."""
+        self._stop.set()
+        self._wake.set()
+        if block and self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> ServingManager:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.engine.has_work:
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+                    continue
+                self._deliver(self.engine.step())
+        except BaseException as e:  # noqa: BLE001 - every request in flight hears of it, and later calls raise it
+            self.error = e
+            log.exception("the serving loop stopped")
+            self._deliver(self.engine.fail_all("error", f"the serving loop stopped: {type(e).__name__}: {e}"))
+            return
+        self._deliver(self.engine.fail_all("cancelled"))
+
+    def _deliver(self, events: list[Event]) -> None:
+        if not events:
+            return
+        with self._changed:
+            for event in events:
+                rid = event.seq.request_id
+                self._results.setdefault(rid, []).append(event.seq.output())
+                if event.finished:
+                    self._order.append(rid)
+            self.engine.forget(events)
+            self._changed.notify_all()
+
+    # -- requests, from any thread ------------------------------------------------------------
+    def add_request(
+        self,
+        input_ids: Any,
+        adapter_name: str | None = None,
+        max_new_tokens: int | None = None,
+        request_id: str | None = None,
+        streaming: bool = False,
+        **settings: Any,
+    ) -> str:
+        """Queue a request; returns its id. A bad request raises here, naming it; it never
+        reaches the loop."""
+        if self.error is not None:
+            raise RuntimeError(f"the serving loop stopped: {type(self.error).__name__}: {self.error}") from self.error
+        if self._stop.is_set() or self._thread is None:
+            raise RuntimeError("the serving loop is not running: use `with cm.serve() as manager:` (or manager.start())")
+        seq = self.requests.make(input_ids, adapter_name, max_new_tokens, request_id, streaming, **settings)
+        self.add(seq)
+        return seq.request_id
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a checked request (:meth:`Requests.make`)."""
+        with self._changed:
+            if seq.request_id in self._results:
+                raise ValueError(f"request {seq.request_id!r}: the id is in use by a result not read yet")
+            self.engine.add(seq)
+        self._wake.set()
+
+    def cancel_request(self, request_id: str) -> None:
+        """End a request: it finishes with ``finish_reason="cancelled"`` and the tokens it made."""
+        self.engine.cancel(request_id)
+        self._wake.set()
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next finished result (of ``request_id``, if given), or None after ``timeout``
+        seconds."""
+        for out in self._take(request_id, timeout, partial=False):
+            return out
+        return None
+
+    def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
+        """The request's results as they come: partial ones whose tokens grow (for a request
+        added with ``streaming=True``), then the finished one; stops early after ``timeout``
+        seconds without news."""
+        yield from self._take(request_id, timeout, partial=True)
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        """Finished results as they come, until the loop stops and every one was read."""
+        while True:
+            out = self.get_result(timeout=0.1)
+            if out is not None:
+                yield out
+            elif not self.is_running():
+                with self._changed:
+                    if not self._order:
+                        return
+
+    def _take(self, request_id: str | None, timeout: float | None, partial: bool) -> Iterator[GenerationOutput]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._changed:
+                if request_id is not None and request_id not in self._results and not self.engine.knows(request_id):
+                    raise KeyError(f"no request {request_id!r}: unknown, or its result was already read")
+                while (out := self._next(request_id, partial)) is None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return
+                    self._changed.wait(left)
+            yield out
+            if out.is_finished():
+                return
+
+    def _next(self, request_id: str | None, partial: bool) -> GenerationOutput | None:
+        """The next result to hand out (under the lock): the oldest finished one, or the
+        request's next partial (with ``partial``) or its final one."""
+        if request_id is None:
+            if not self._order:
+                return None
+            request_id = self._order[0]
+        results = self._results.get(request_id)
+        while results:
+            out = results.pop(0)
+            if out.is_finished():
+                del self._results[request_id]
+                self._order.remove(request_id)
+                return out
+            if partial:
+                return out
+        return None
