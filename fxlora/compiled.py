@@ -123,6 +123,7 @@ class CompiledModel(torch.nn.Module):
             mark_batch_dims_dynamic(t)
         if not self._backend.records:
             log.info("tracing and compiling %s: the first call of each input layout takes a while", type(self.model).__name__)
+        raise_recompile_limit()  # in this thread: Dynamo's config is per thread
         with selecting(Selection(names=names, batch=batch, watched=True)) as selection:
             selection.slot_ids(self.pool, self._device)  # resolved once, here: unknown names fail before any work
             with self._backend.lock:

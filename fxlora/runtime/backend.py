@@ -194,6 +194,9 @@ RECOMPILE_LIMIT = 64
 
 
 def raise_recompile_limit() -> None:
+    """Raise Dynamo's recompile limit to :data:`RECOMPILE_LIMIT`, in the calling thread: Dynamo's
+    config is kept per thread, so a call from another thread (a serving loop, a worker) starts
+    at the default again."""
     if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
         log.info("raising torch._dynamo.config.recompile_limit to %d", RECOMPILE_LIMIT)
         torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT

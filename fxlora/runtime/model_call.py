@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fxlora.runtime.backend import Backend
+from fxlora.runtime.backend import Backend, raise_recompile_limit
 from fxlora.runtime.kv_cache import cache_keyword
 from fxlora.runtime.routing import use_slots
 
@@ -39,6 +39,7 @@ class ModelCall:
         """The logits of the last position of every row, ``(rows, vocab)``. ``columns``: the
         cache columns the step writes (``cache_position``, for models that read it);
         ``dynamic``: more tensors and the dimensions of theirs to trace as sizes."""
+        raise_recompile_limit()
         extra = dict(self.extra)
         if "cache_position" in extra:
             extra["cache_position"] = columns

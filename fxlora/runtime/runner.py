@@ -88,6 +88,8 @@ class StreamRunner:
         self.ring_index = torch.zeros(1, **long)
         self.columns = torch.arange(self.cache.columns, device=dev)
         self.graphs = GraphSet(self.device, cuda_graphs)
+        # the pages' block count traced as a size: caches of other sizes reuse the graphs
+        self._pages = [(t, (0,)) for layer in self.cache.layers for t in (layer.keys, layer.values)]
         self._prefill_inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._host = torch.empty(0)  # pinned host copies, (window + 2) x rows
 
@@ -199,7 +201,7 @@ class StreamRunner:
         mask = torch.full(visible.shape, torch.finfo(self.dtype).min, dtype=self.dtype, device=ids.device)
         mask.masked_fill_(visible, 0.0)
         self.cache.prefilling, self.cache.slot_mapping = True, slots
-        return self.model_call(self.cache, ids, positions, mask, columns, slot_ids, dynamic=[(slots, (0,))])
+        return self.model_call(self.cache, ids, positions, mask, columns, slot_ids, dynamic=[(slots, (0,)), *self._pages])
 
     def _prefill_shape(self, rows: int, longest: int) -> tuple[int, int] | None:
         """The ``(rows, length)`` bucket a prefill replays from a CUDA graph at, or None (eager)."""
@@ -251,7 +253,7 @@ class StreamRunner:
         self.cache.block_table = rows_of(self.block_table, rows)
         slot_ids = rows_of(self.slot_ids, rows) if variant == "lora" else None
         ids, positions = rows_of(self.next_ids, rows), rows_of(self.lengths, rows)
-        logits = self.model_call(self.cache, ids, positions, mask, lengths[:1], slot_ids, dynamic=[(self.cache.block_table, (0,))])
+        logits = self.model_call(self.cache, ids, positions, mask, lengths[:1], slot_ids, dynamic=[(self.cache.block_table, (0,)), *self._pages])
         count, eos = self.count[:rows], self.eos[:rows]
         s = self.sampling
         logits = suppress(logits.float(), eos, live & (count < self.min_new[:rows]))

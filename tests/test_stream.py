@@ -1,0 +1,211 @@
+"""The request stream (continuous batching over a paged KV cache): every request's tokens
+against PEFT's greedy ``generate`` of that request alone, over drawn request sets, arrival
+turns and cancellations, on a dense and an MoE model; seeded sampling that ignores the batch;
+bad requests that fail alone; the serving loop's API from other threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from peft import LoraConfig
+
+import fxlora
+from fxlora.runtime.serving import Requests
+from fxlora.testing import lora_module_names, make_adapter, peft_model_with, reference_generate, tiny_model
+
+NAMES = ["a", "b", None]
+STREAM = dict(max_batch_size=3, max_len=32, block_size=4, window=3)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def served(request):
+    torch._dynamo.reset()
+    model = tiny_model(request.param, seed=5)
+    targets = [t for t in lora_module_names(model) if "experts" not in t]
+    adapters = {
+        name: make_adapter(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets), seed=i, directory="", scale=0.3)
+        for i, (name, r) in enumerate([("a", 4), ("b", 2)])
+    }
+    cm = fxlora.compile(model, adapters, max_loras=4, max_batch_size=4, max_len=32)
+    requests = cm._requests(STREAM, None)
+    return model, adapters, cm, requests, peft_model_with(model, adapters)
+
+
+def expected(served, prompt: list[int], name: str | None, max_new: int, eos: int | None) -> list[int]:
+    model, _, _, _, peft_model = served
+    tokens = reference_generate(model, peft_model, [name], torch.tensor([prompt]), None, max_new, eos, 0)[0].tolist()
+    if eos is not None and eos in tokens:
+        tokens = tokens[: tokens.index(eos) + 1]
+    return tokens
+
+
+def drive(requests: Requests, arrivals: dict[int, list], cancels: dict[int, list[str]]) -> dict[str, object]:
+    """Run the engine turn by turn, adding requests and cancelling them at the given turns;
+    returns every finished output by request id."""
+    engine, done, turn = requests.engine, {}, 0
+    while turn <= max([*arrivals, *cancels, 0]) or engine.has_work:
+        for seq in arrivals.get(turn, []):
+            engine.add(seq)
+        for request_id in cancels.get(turn, []):
+            engine.cancel(request_id)
+        events = engine.step()
+        done.update({e.seq.request_id: e.seq.output() for e in events if e.finished})
+        engine.forget(events)
+        turn += 1
+    allocator = engine.runner.cache.allocator
+    assert allocator.free == allocator.num_blocks - 1  # every block came back
+    return done
+
+
+@given(data=st.data())
+def test_every_request_equals_peft_alone(served, data):
+    model, _, cm, requests, _ = served
+    vocab = model.config.vocab_size
+    n = data.draw(st.integers(1, 7), label="requests")
+    arrivals, plan, cancels = {}, {}, {}
+    for i in range(n):
+        prompt = data.draw(st.lists(st.integers(3, vocab - 1), min_size=1, max_size=12), label="prompt")
+        name = data.draw(st.sampled_from(NAMES), label="adapter")
+        max_new = data.draw(st.integers(1, 8), label="max_new_tokens")
+        eos = data.draw(st.none() | st.integers(3, vocab - 1), label="eos")
+        turn = data.draw(st.integers(0, 4), label="arrival turn")
+        seq = requests.make(prompt, name, max_new, request_id=f"r{i}", eos_token_id=eos if eos is not None else ())
+        arrivals.setdefault(turn, []).append(seq)
+        plan[seq.request_id] = (prompt, name, max_new, eos)
+        if data.draw(st.booleans(), label="cancelled") and data.draw(st.booleans()):
+            cancels.setdefault(turn + data.draw(st.integers(0, 2), label="cancel after"), []).append(seq.request_id)
+    done = drive(requests, arrivals, cancels)
+    assert set(done) == set(plan)
+    cancelled = {r for ids in cancels.values() for r in ids}
+    for request_id, (prompt, name, max_new, eos) in plan.items():
+        out, ref = done[request_id], expected(served, prompt, name, max_new, eos)
+        assert out.adapter_name == name and out.prompt_ids == prompt and out.error is None
+        if out.finish_reason == "cancelled":
+            assert request_id in cancelled and out.generated_tokens == ref[: len(out.generated_tokens)]
+        else:
+            assert out.generated_tokens == ref, (request_id, out)
+            assert out.finish_reason == ("stop" if eos is not None and ref[-1] == eos else "length")
+
+
+def test_generate_batch_in_input_order_with_a_bad_input(served):
+    model, _, cm, _, _ = served
+    prompts = [[5, 6, 7], [], [8, 9, 10, 11], [12] * 40, [13, 14]]
+    names = ["a", "b", "nope", None, "b"]
+    outs = cm.generate_batch(prompts, names, max_new_tokens=[4, 4, 4, 4, 6], eos_token_id=(), progress_bar=False)
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
+    assert "prompt is empty" in outs[1].error and "unknown adapter 'nope'" in outs[2].error and "max_len=32" in outs[3].error
+    assert all(o.request_id in o.error for o in outs if o.error)
+    for i in (0, 4):
+        assert outs[i].generated_tokens == expected(served, prompts[i], names[i], [4, 4, 4, 4, 6][i], None)
+
+
+def test_a_seeded_sampled_request_ignores_the_rest_of_the_batch(served):
+    model, _, cm, requests, _ = served
+    prompt, sampled = [9, 8, 7, 6], dict(do_sample=True, temperature=1.3, top_k=40, top_p=0.95, seed=1234)
+    alone = cm.generate_batch([prompt], ["a"], max_new_tokens=8, eos_token_id=(), progress_bar=False, **sampled)[0]
+    others = [[3, 4, 5], [10, 11], [20, 21, 22, 23, 24]]
+    mixed = cm.generate_batch(
+        [others[0], prompt, *others[1:]], [None, "a", "b", "a"], max_new_tokens=[3, 8, 5, 2], eos_token_id=(),
+        do_sample=[True, True, False, True], seed=[1, 1234, None, 2], temperature=1.3, top_k=40, top_p=0.95,
+        progress_bar=False,
+    )  # fmt: skip
+    assert mixed[1].generated_tokens == alone.generated_tokens
+    draws = {tuple(cm.generate_batch([prompt], ["a"], max_new_tokens=8, eos_token_id=(), do_sample=True, seed=s,
+                                     progress_bar=False)[0].generated_tokens) for s in range(5)}  # fmt: skip
+    assert len(draws) > 1  # the seed drives the draws
+    greedy = cm.generate_batch([prompt], ["a"], max_new_tokens=8, eos_token_id=(), do_sample=True, top_k=1, progress_bar=False)
+    assert greedy[0].generated_tokens == expected(served, prompt, "a", 8, None)
+
+
+def test_requests_wait_for_blocks_and_none_fails(served):
+    model, _, cm, _, _ = served
+    requests = cm._requests({**STREAM, "max_batch_size": 4, "kv_cache_memory": _bytes_for_blocks(cm, 7)}, None)
+    plan = [([3 + i] * (4 + i), NAMES[i % 3], 6) for i in range(6)]  # 10 tokens each at least: 3 blocks of 4
+    done = drive(requests, {0: [requests.make(p, n, m, request_id=f"w{i}", eos_token_id=()) for i, (p, n, m) in enumerate(plan)]}, {})
+    for i, (p, n, m) in enumerate(plan):
+        assert done[f"w{i}"].generated_tokens == expected(served, p, n, m, None)
+    cm._requests(STREAM, None)  # back to the module's engine
+
+
+def _bytes_for_blocks(cm, blocks: int) -> int:
+    from fxlora.runtime.kv_cache import probe_shapes
+    from fxlora.runtime.paged_cache import PagedKVCache
+
+    shapes = probe_shapes(cm.model, cm.device)
+    return blocks * PagedKVCache.block_bytes(shapes, STREAM["block_size"], cm.dtype)
+
+
+def test_bad_requests_are_refused_by_name(served):
+    model, _, cm, requests, _ = served
+    cases = [
+        (dict(input_ids=[]), ValueError, "prompt is empty"),
+        (dict(input_ids=[5, 500]), ValueError, "token 500"),
+        (dict(input_ids=[5], adapter_name="nope"), fxlora.AdapterError, "unknown adapter 'nope'"),
+        (dict(input_ids=[5] * 30, max_new_tokens=5), ValueError, "exceeds max_len=32"),
+        (dict(input_ids=[5], max_new_tokens=2, do_sample=True, top_p=1.5), fxlora.GenerationConfigError, "top_p"),
+        (dict(input_ids=[5], max_new_tokens=2, repetition_penalty=1.2), fxlora.GenerationConfigError, "repetition_penalty"),
+        (dict(input_ids=[5], max_new_tokens=2, seed=1.5), TypeError, "seed must be an int"),
+    ]
+    for kwargs, error, fragment in cases:
+        with pytest.raises(error, match=fragment) as info:
+            requests.make(request_id="bad", **kwargs)
+        assert "request 'bad'" in str(info.value)
+
+
+def test_the_serving_loop(served):
+    model, adapters, cm, _, _ = served
+    prompts = {f"s{i}": ([4 + i, 5, 6 + i], NAMES[i % 3], 3 + i) for i in range(5)}
+    with cm.serve(**STREAM) as manager:
+        ids = {}
+        threads = [
+            threading.Thread(target=lambda k=k, v=v: ids.__setitem__(k, manager.add_request(v[0], v[1], v[2], request_id=k,
+                             streaming=k == "s1", eos_token_id=())))  # fmt: skip
+            for k, v in prompts.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        streamed = list(manager.request_id_iter("s1", timeout=60))
+        assert streamed[-1].is_finished() and all(not o.is_finished() for o in streamed[:-1])
+        lengths = [len(o.generated_tokens) for o in streamed]
+        assert lengths == sorted(lengths) and lengths[-1] == prompts["s1"][2]
+        assert manager.get_result("s3", timeout=60).generated_tokens == expected(served, *prompts["s3"], None)
+        rest = {o.request_id: o for o in (manager.get_result(timeout=60) for _ in range(3))}
+        assert set(rest) == {"s0", "s2", "s4"}
+        for k, out in rest.items():
+            assert out.generated_tokens == expected(served, *prompts[k], None)
+        long = manager.add_request([7, 8, 9], "a", max_new_tokens=25, eos_token_id=())
+        manager.cancel_request(long)
+        out = manager.get_result(long, timeout=60)
+        assert out.finish_reason == "cancelled" and out.generated_tokens == expected(served, [7, 8, 9], "a", 25, None)[: len(out.generated_tokens)]
+        with pytest.raises(KeyError, match="no request 'zzz'"):
+            manager.get_result("zzz", timeout=1)
+    assert not manager.is_running()
+    with pytest.raises(RuntimeError, match="not running"):
+        manager.add_request([5])
+
+
+def test_an_adapter_unloaded_while_serving_keeps_its_running_requests(served, tmp_path):
+    model, _, cm, requests, _ = served
+    targets = [t for t in lora_module_names(model) if "experts" not in t]
+    late = make_adapter(model, LoraConfig(r=2, target_modules=targets), seed=9, directory="", scale=0.3)
+    cm.load_adapter(late, adapter_name="late")
+    engine = requests.engine
+    try:
+        running = requests.make([6, 7, 8], "late", 8, request_id="keeps", eos_token_id=())
+        engine.add(running)
+        engine.forget(engine.step())  # admitted, prefilled, a window decoded
+        waiting = requests.make([9, 10], "late", 3, request_id="refused", eos_token_id=())
+        cm.unload_adapter("late")
+        done = drive(requests, {0: [waiting]}, {})
+    finally:
+        if "late" in cm.adapter_names:
+            cm.unload_adapter("late")
+    model_ref = reference_generate(model, peft_model_with(model, {"late": late}), ["late"], torch.tensor([[6, 7, 8]]), None, 8, None, 0)
+    assert running.generated == model_ref[0].tolist()
+    assert done["refused"].finish_reason == "error" and "unknown adapter 'late'" in done["refused"].error
