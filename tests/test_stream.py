@@ -47,15 +47,19 @@ def drive(requests: Requests, arrivals: dict[int, list], cancels: dict[int, list
     """Run the engine turn by turn, adding requests and cancelling them at the given turns;
     returns every finished output by request id."""
     engine, done, turn = requests.engine, {}, 0
-    while turn <= max([*arrivals, *cancels, 0]) or engine.has_work:
-        for seq in arrivals.get(turn, []):
-            engine.add(seq)
-        for request_id in cancels.get(turn, []):
-            engine.cancel(request_id)
-        events = engine.step()
-        done.update({e.seq.request_id: e.seq.output() for e in events if e.finished})
-        engine.forget(events)
-        turn += 1
+    try:
+        while turn <= max([*arrivals, *cancels, 0]) or engine.has_work:
+            for seq in arrivals.get(turn, []):
+                engine.add(seq)
+            for request_id in cancels.get(turn, []):
+                engine.cancel(request_id)
+            events = engine.step()
+            done.update({e.seq.request_id: e.seq.output() for e in events if e.finished})
+            engine.forget(events)
+            turn += 1
+    except BaseException:
+        engine.forget(engine.fail_all("error", "the test failed"))  # the next example starts clean
+        raise
     allocator = engine.runner.cache.allocator
     assert allocator.free == allocator.num_blocks - 1  # every block came back
     return done

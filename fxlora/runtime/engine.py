@@ -1,14 +1,15 @@
-"""The request stream's loop: admit, prefill, decode a window, read, end, emit.
+"""The request stream's loop: decode a window, read the last one, end, admit, prefill, emit.
 
 :meth:`Engine.step` is one turn. It takes the requests added and cancelled since the last
-turn, ends what was cancelled, admits waiting requests into free rows (:class:`Scheduler`),
-prefills them and reads their first tokens, then runs a window of decode steps over every
-live row (a few steps, issued back to back with no read between them), reads the window's
-tokens once, ends the rows that finished, and closes the gaps they leave so the batch stays
-in its smallest bucket. A turn holds the backend's lock, so calls of the compiled model from
-other threads run between turns; the caller hands the turn's events on, then
-:meth:`Engine.forget` frees the ended requests' ids. The engine only coordinates: the scheduler decides who runs,
-the runner runs them.
+turn and ends what was cancelled; issues a window of decode steps over every running row (a
+few steps back to back, no read between them); while they run, reads what the previous
+turn's window and prefill made (tokens, and which rows ended), ends those rows and closes the
+gaps they leave so the batch stays in its smallest bucket; then admits waiting requests into
+the free rows (:class:`Scheduler`) and prefills them. All of it is issued on one stream, so the
+device runs it in that order while the host is one turn behind. A turn holds the backend's
+lock, so calls of the compiled model from other threads run between turns; the caller hands
+the turn's events on, then :meth:`Engine.forget` frees the ended requests' ids. The engine only
+coordinates: the scheduler decides who runs, the runner runs them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from fxlora.adapters import NO_ADAPTER, AdapterPool
-from fxlora.runtime.runner import StreamRunner
+from fxlora.runtime.runner import Pending, StreamRunner
 from fxlora.runtime.scheduler import Scheduler
 from fxlora.runtime.sequence import Sequence, Status
 
@@ -42,6 +43,8 @@ class Engine:
         self.scheduler = Scheduler(runner.cache.allocator, pool, runner.max_rows, max_prefill_tokens)
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._cancelled: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._window: tuple[Pending, list[Sequence], int] | None = None  # the last window: its tokens, rows, steps
+        self._first: tuple[Pending, list[Sequence]] | None = None  # the last prefill: first tokens, requests
         self._known: dict[str, Sequence] = {}  # every request added and not yet ended
         self._known_lock = threading.Lock()
         self._ids = itertools.count()
@@ -73,11 +76,17 @@ class Engine:
 
     # -- one turn --------------------------------------------------------------------------
     def step(self) -> list[Event]:
+        """One turn. Its device work (a window of decode steps, then the gaps closed and a
+        prefill) is issued in that order on one stream, and the host reads the previous turn's
+        window and prefill while this turn's window runs: decisions use what the host has read,
+        and every change to a row's state is issued after the steps that read it."""
         events: list[Event] = []
         with self.lock:
             self._take_inbox(events)
+            window = self._launch()
+            self._read(events)
             self._admit(events)
-            self._decode(events)
+            self._window = window
         return events
 
     def forget(self, events: list[Event]) -> None:
@@ -101,6 +110,7 @@ class Engine:
                 self.scheduler.retire(seq)
                 ended.append(seq)
             self.runner.stop(list(range(self.runner.max_rows)))
+            self._window = self._first = None
             for seq in ended:
                 if seq.status is not Status.FINISHED:
                     seq.finish(reason, error)
@@ -129,6 +139,66 @@ class Engine:
             seq.finish("cancelled")
         self._end(ended, events)
 
+    def _launch(self) -> tuple[Pending, list[Sequence], int] | None:
+        """Issue a window of decode steps over the running rows: as many steps as the one with
+        the most tokens left may still make (at most the runner's window), with blocks for
+        every column it may write."""
+        running = self.scheduler.running
+        if not running:
+            return None
+        steps = min(self.runner.window, max(s.decoding.max_new_tokens - len(s.generated) - s.unread for s in running))
+        if steps < 1:  # every row made its last token: the host has yet to read them
+            return None
+        entries = []
+        for seq in running:
+            entries += [(seq.row, i, block) for i, block in self.scheduler.grow(seq, seq.length + seq.unread + steps)]
+        self.runner.extend_blocks(entries)
+        sampling = any(s.decoding.do_sample for s in running)
+        pending = self.runner.decode(len(running), steps, self.scheduler.uses_adapters, sampling)
+        for seq in running:
+            seq.unread += steps
+        return pending, list(running), steps
+
+    def _read(self, events: list[Event]) -> None:
+        """What the previous turn's window and prefill made: tokens, and which rows ended."""
+        ended: list[Sequence] = []
+        if self._window is not None:
+            pending, seqs, steps = self._window
+            values = pending.get()
+            tokens, live = values[:-1].T.tolist(), values[-1].tolist()
+            for seq, new, still in zip(seqs, tokens, live):
+                seq.unread -= steps
+                if seq.status is Status.FINISHED:  # cancelled meanwhile: what it made since is dropped
+                    continue
+                new = [t for t in new if t >= 0]
+                seq.generated += new
+                if not still:
+                    last = seq.generated[-1]
+                    stop = last in seq.decoding.eos_token_ids and len(seq.generated) > seq.decoding.min_new_tokens
+                    seq.finish("stop" if stop else "length")
+                    ended.append(seq)
+                elif new and seq.streaming:
+                    events.append(Event(seq, False))
+        if self._first is not None:
+            pending, seqs = self._first
+            now = time.perf_counter()
+            for seq, token in zip(seqs, pending.get()[0].tolist()):
+                seq.unread -= 1
+                if seq.status is Status.FINISHED:
+                    continue
+                seq.generated.append(token)  # before any window's tokens: the first window with it is read later
+                seq.first_token_time = now
+                if token in seq.decoding.eos_token_ids and seq.decoding.min_new_tokens < 1:
+                    seq.finish("stop")
+                elif seq.decoding.max_new_tokens <= 1:
+                    seq.finish("length")
+                if seq.status is Status.FINISHED:
+                    ended.append(seq)
+                elif seq.streaming:
+                    events.append(Event(seq, False))
+            self._first = None
+        self._end(ended, events)
+
     def _admit(self, events: list[Event]) -> None:
         admitted, failed = self.scheduler.admit()
         events += [Event(seq, True) for seq in failed]
@@ -137,50 +207,17 @@ class Engine:
         first_row = len(self.scheduler.running) - len(admitted)
         rows = list(range(first_row, first_row + len(admitted)))
         for row, seq in zip(rows, admitted):
-            seq.row = row
-            self.scheduler.grow(seq, len(seq.prompt_ids) + self.runner.window)
+            seq.row, seq.unread = row, 1  # its first token, read next turn
+            self.scheduler.grow(seq, len(seq.prompt_ids) + 1)
         self.runner.place(rows, [s.decoding for s in admitted], [s.slot for s in admitted], [s.blocks for s in admitted])
-        uses_adapters = any(s.slot != NO_ADAPTER for s in admitted)
-        tokens = self.runner.prefill(rows, [s.prompt_ids for s in admitted], [s.blocks for s in admitted], uses_adapters)
-        now = time.perf_counter()
-        ended = []
-        for seq, token in zip(admitted, tokens.tolist()):
-            seq.generated.append(token)
-            seq.first_token_time = now
-            if token in seq.decoding.eos_token_ids and seq.decoding.min_new_tokens < 1:
-                seq.finish("stop")
-            elif seq.decoding.max_new_tokens <= 1:
-                seq.finish("length")
-            if seq.status is Status.FINISHED:
-                ended.append(seq)
-            elif seq.streaming:
-                events.append(Event(seq, False))
-        self._end(ended, events)
-
-    def _decode(self, events: list[Event]) -> None:
-        running = self.scheduler.running
-        if not running:
-            return
-        steps = min(self.runner.window, max(s.decoding.max_new_tokens - len(s.generated) for s in running))
-        entries = []
-        for seq in running:  # blocks for every column the window may write
-            entries += [(seq.row, i, block) for i, block in self.scheduler.grow(seq, seq.length + steps)]
-        self.runner.extend_blocks(entries)
-        sampling = any(s.decoding.do_sample for s in running)
-        self.runner.decode(len(running), steps, self.scheduler.uses_adapters, sampling)
-        tokens, live = self.runner.read(len(running), steps)
-        ended = []
-        for seq in running:
-            new = [t for t in tokens[:, seq.row].tolist() if t >= 0]
-            seq.generated += new
-            if not bool(live[seq.row]):
-                last = seq.generated[-1]
-                stop = last in seq.decoding.eos_token_ids and len(seq.generated) > seq.decoding.min_new_tokens
-                seq.finish("stop" if stop else "length")
-                ended.append(seq)
-            elif new and seq.streaming:
-                events.append(Event(seq, False))
-        self._end(ended, events)
+        pending = self.runner.prefill(
+            rows,
+            [s.prompt_ids for s in admitted],
+            [s.blocks for s in admitted],
+            uses_adapters=any(s.slot != NO_ADAPTER for s in admitted),
+            sampling=any(s.decoding.do_sample for s in admitted),
+        )
+        self._first = (pending, admitted)
 
     def _end(self, ended: list[Sequence], events: list[Event]) -> None:
         """Retire ended running requests and close the gaps in the batch's rows."""

@@ -7,9 +7,10 @@ settings, its adapter's slot and its block table. A decode step (:meth:`StreamRu
 reads them, runs the model over the paged cache, picks each row's next token
 (:mod:`fxlora.runtime.sampler`), ends the rows that made an end token or their last one, writes
 the tokens into the next step's inputs and into a ring of the window's tokens, and moves on:
-the host issues a window of steps with no read in between, then reads the ring once. The
-steps of a window replay one CUDA graph per ``(variant, sampling, bucket)``; rows past the
-batch's live ones, and rows that ended, write into the cache's scratch block and change nothing.
+the host issues a window of steps with no read in between, and reads the window's tokens (a
+copy to pinned memory) while the next window runs. The steps of a window replay one CUDA graph
+per ``(variant, sampling, bucket)``; rows past the batch's live ones, and rows that ended,
+write into the cache's scratch block and change nothing.
 
 A prefill (:meth:`StreamRunner.prefill`) runs the newly admitted requests' prompts, left-padded,
 writes their keys and values into their blocks, and picks their first tokens; a short one
@@ -84,14 +85,15 @@ class StreamRunner:
             top_p=torch.ones(rows, dtype=torch.float32, device=dev),
             seed=torch.zeros(rows, **long),
         )
-        self.ring = torch.full((window, rows), -1, **long)  # the window's tokens, step by step
+        # two windows' tokens, step by step: one window runs while the host reads the other
+        self.ring = torch.full((2 * window, rows), -1, **long)
         self.ring_index = torch.zeros(1, **long)
+        self._parity = 0
         self.columns = torch.arange(self.cache.columns, device=dev)
         self.graphs = GraphSet(self.device, cuda_graphs)
         # the pages' block count traced as a size: caches of other sizes reuse the graphs
         self._pages = [(t, (0,)) for layer in self.cache.layers for t in (layer.keys, layer.values)]
         self._prefill_inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._host = torch.empty(0)  # pinned host copies, (window + 2) x rows
 
     @property
     def row_state(self) -> list[torch.Tensor]:
@@ -150,11 +152,14 @@ class StreamRunner:
         return _to_device(torch.tensor(rows, dtype=torch.long), self.device)
 
     # -- prefill ---------------------------------------------------------------------------
-    def prefill(self, rows: list[int], prompts: list[list[int]], blocks: list[list[int]], uses_adapters: bool) -> torch.Tensor:
+    def prefill(
+        self, rows: list[int], prompts: list[list[int]], blocks: list[list[int]], uses_adapters: bool, sampling: bool
+    ) -> Pending:
         """Run the prompts of the requests just placed in ``rows`` and start them: their keys
         and values go into their blocks, their first tokens are picked and fed next, and the
         rows become live (or end at once: an end token, or a single new token asked for).
-        Returns the first tokens, on the device."""
+        ``sampling``: whether any of them samples. Returns the first tokens, on their way to
+        the host."""
         n, longest = len(rows), max(map(len, prompts))
         shape = self._prefill_shape(n, longest)
         prefill_rows, length = shape or (n + int(n == 1), longest)  # eagerly, one row as two: Dynamo specialises 1
@@ -186,7 +191,8 @@ class StreamRunner:
             else:
                 inputs = {k: _to_device(v, self.device) for k, v in inputs.items()}
                 logits = self._prefill(inputs["ids"], inputs["keep"], inputs["slots"], slot_ids)
-        return self._start(rows, logits[:n], [len(p) for p in prompts])
+        tokens = self._start(rows, logits[:n], [len(p) for p in prompts], sampling)
+        return Pending.of(tokens[None])
 
     def _prefill_graph(self, key: tuple) -> torch.Tensor:
         _, variant, rows, length = key
@@ -213,15 +219,15 @@ class StreamRunner:
             return None
         return bucket, length
 
-    def _start(self, rows: list[int], logits: torch.Tensor, prompt_lengths: list[int]) -> torch.Tensor:
+    def _start(self, rows: list[int], logits: torch.Tensor, prompt_lengths: list[int], sampling: bool) -> torch.Tensor:
         """The first token of each new row, picked as a decode step picks it, and the rows made live."""
         index = self._index(rows)
         take = lambda t: t.index_select(0, index)  # noqa: E731
         s = self.sampling
-        sampling = SamplingRows(*(take(t) for t in (s.greedy, s.temperature, s.top_k, s.top_p, s.seed)))
+        rows_settings = SamplingRows(*(take(t) for t in (s.greedy, s.temperature, s.top_k, s.top_p, s.seed)))
         zero = torch.zeros(len(rows), dtype=torch.long, device=self.device)
         logits = suppress(logits.float(), take(self.eos), take(self.min_new) > 0)
-        tokens = pick(logits, sampling, zero, sampling=not bool(sampling.greedy.all()))
+        tokens = pick(logits, rows_settings, zero, sampling)
         ended = (tokens[:, None] == take(self.eos)).any(1) | (take(self.max_new) <= 1)
         self.next_ids.index_copy_(0, index, tokens[:, None])
         self.lengths.index_copy_(0, index, _to_device(torch.tensor(prompt_lengths)[:, None], self.device))
@@ -233,13 +239,19 @@ class StreamRunner:
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
-    def decode(self, rows: int, steps: int, uses_adapters: bool, sampling: bool) -> None:
-        """``steps`` decode steps of the batch's first ``rows`` rows, back to back."""
+    def decode(self, rows: int, steps: int, uses_adapters: bool, sampling: bool) -> Pending:
+        """``steps`` decode steps of the batch's first ``rows`` rows, back to back; returns
+        their tokens ``(steps, rows)`` (-1 where a row was not live) and, as a last row, which
+        rows are still live, on their way to the host. The window alternates between the
+        ring's two halves, so the host reads one while the next runs."""
         key = ("lora" if uses_adapters else "nolora", sampling, max(self.bucket_for(rows), min(2, self.max_rows)))
-        self.ring_index.zero_()
+        start = self._parity * self.window
+        self._parity ^= 1
+        self.ring_index.fill_(start)
         with tracing_as("decode step"):
             for _ in range(steps):
                 self.graphs.run(key, self._decode)
+        return Pending.of(torch.cat([self.ring[start : start + steps, :rows], self.active[None, :rows].long()]))
 
     def _decode(self, key: tuple[str, bool, int]) -> torch.Tensor:
         variant, sampling, rows = key
@@ -269,12 +281,6 @@ class StreamRunner:
         live.logical_and_(~ended)
         return tokens
 
-    def read(self, rows: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The window's tokens ``(steps, rows)`` (-1 where a row was not live) and which rows
-        are still live, on the host: the one wait for the device per window."""
-        ring = self.ring[:steps, :rows].cpu()
-        return ring, self.active[:rows].cpu()
-
     def warm_up(self, progress: bool = True) -> None:
         """Trace the decode step and capture every ``(variant, sampling, bucket)`` graph up
         front, largest bucket first, while no row is live: a first capture during serving
@@ -284,6 +290,29 @@ class StreamRunner:
             for key in (keys[0], keys[2]):  # nolora, lora: one trace each serves every bucket (rows dynamic)
                 self._decode(key)
             self.graphs.capture(keys, self._decode, progress=progress)
+
+
+class Pending:
+    """A device tensor on its way to pinned host memory: :meth:`get` waits for the copy alone,
+    not for work issued after it."""
+
+    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None):
+        self.host, self.done = host, done
+
+    @staticmethod
+    def of(values: torch.Tensor) -> Pending:
+        if values.device.type != "cuda":
+            return Pending(values.clone(), None)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Pending(host, done)
+
+    def get(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

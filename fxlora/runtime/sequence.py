@@ -72,6 +72,7 @@ class Sequence:
         self.reserved = 0  # blocks the allocator keeps for this sequence's growth
         self.slot: int | None = None  # its adapter's pool slot while it runs (-1: none)
         self.row: int | None = None  # its row of the running batch
+        self.unread = 0  # at most this many tokens it made on the device that the host has not read
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.cancel_requested = False
