@@ -56,12 +56,19 @@ class Spec:
 
 
 def spec(name: str) -> Spec:
+    linears = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     if name == "llama":
         config = transformers.LlamaConfig(
             hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
             num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
         )  # fmt: skip
-        return Spec(config, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        return Spec(config, linears)
+    if name == "llama8b":  # Llama-3-shaped 8B
+        config = transformers.LlamaConfig(
+            hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+        )  # fmt: skip
+        return Spec(config, linears)
     config = transformers.Qwen3MoeConfig(
         hidden_size=2048, num_hidden_layers=8, moe_intermediate_size=768, num_experts=64, num_experts_per_tok=8,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=32000, max_position_embeddings=4096,

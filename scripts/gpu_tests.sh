@@ -26,5 +26,6 @@ python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernel_sgm
     tests/test_kernel_decode_attention.py tests/test_pass_decode_attention.py tests/test_inner.py tests/test_kernel_lora_delta.py tests/test_kernel_lora_shrink.py \
     tests/test_coverage.py tests/test_kernel_grouped_mm.py \
     tests/test_gpu_runtime.py tests/test_gpu_moe.py tests/test_gpu_quantized.py \
+    tests/test_kernel_paged_decode_attention.py tests/test_gpu_stream.py \
     -n "${GPU_WORKERS:-6}" -v --durations=20 --junitxml="$OUT/gpu-tests.xml" "$@" 2>&1 | tee "$OUT/gpu-tests.txt" \
     | grep -vE "^\s*$|PASSED" | tail -40
