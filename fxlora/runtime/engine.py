@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass
 
 from fxlora.adapters import NO_ADAPTER, AdapterPool
-from fxlora.runtime.runner import Pending, StreamRunner
+from fxlora.runtime.pending import Pending
+from fxlora.runtime.runner import StreamRunner
 from fxlora.runtime.scheduler import Scheduler
 from fxlora.runtime.sequence import Sequence, Status
 

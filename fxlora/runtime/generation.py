@@ -33,6 +33,7 @@ from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.generation_config import GenerationSettings
 from fxlora.runtime.kv_cache import StaticKVCache, probe_shapes, rows_of
 from fxlora.runtime.model_call import ModelCall
+from fxlora.runtime.pending import Pending
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,10 @@ class DecodeRuntime:
         ``streamer`` (transformers' ``BaseStreamer``) is given the prompts, then each step's
         tokens as the host reads them (a wait for the device per step), then ``end()``."""
         rows, prompt_len = input_ids.shape
-        attention_mask = prompt_mask(input_ids, attention_mask, settings.pad_token_id, settings.eos_token_ids)
+        attention_mask, problem = prompt_mask(input_ids, attention_mask, settings.pad_token_id, settings.eos_token_ids)
+        if problem is not None and problem.device.type == "cpu":
+            raise_mask_problem(int(problem), rows, settings.pad_token_id)
+            problem = None  # else read after the last step, with no extra wait
         max_new_tokens = settings.new_tokens(prompt_len)
         if max_new_tokens < 1:
             raise ValueError(
@@ -219,6 +223,8 @@ class DecodeRuntime:
                 out = self._generate(input_ids, attention_mask, slots, max_new_tokens, settings, generator, streamer)
         finally:
             pool.release(slots)
+        if problem is not None:  # the prompts' mask, read after the last step: no wait of its own
+            raise_mask_problem(int(Pending.of(problem).get()), rows, settings.pad_token_id)
         if streamer is not None:
             streamer.end()
         return out
@@ -384,60 +390,67 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+MASK_PROBLEMS = {
+    1: "row {row} of attention_mask holds a value other than 0 (padding) and 1 (a token)",
+    2: "row {row} of attention_mask is all 0: every prompt needs at least one token",
+    3: "row {row} of attention_mask has padding between tokens: fxlora takes left- or right-padded prompts (1s in one run)",
+    4: "row {row} of input_ids holds only pad_token_id={pad}: every prompt needs at least one token (pass "
+    "attention_mask if the pad token is a real token there)",
+    5: "row {row} of input_ids begins or ends with pad_token_id={pad}, which is also an end token, so its padding "
+    "cannot be told from its tokens: pass attention_mask",
+}
+
+
 def prompt_mask(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None, eos_token_ids: Sequence[int]
-) -> torch.Tensor | None:
-    """The mask of real tokens of a batch of prompts, checked: 0 and 1 only, at least one real
-    token per row, real tokens contiguous (left or right padding). Without a mask it is read
-    from the padding, as transformers does: the leading or trailing runs of ``pad_token_id``
-    are padding, unless the pad token is also an end token, where a row that begins or ends
-    with it is ambiguous and refused. Returns None when every token is real."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The mask of real tokens of a batch of prompts, and its problem, if any: a mask must hold 0
+    and 1 only, give every row a token, and keep each row's tokens in one run (left or right
+    padding). Without a mask it is read from the padding, as transformers does: the leading or
+    trailing runs of ``pad_token_id`` are padding, unless the pad token is also an end token,
+    where a row that begins or ends with it is ambiguous. The problem is a 0-d tensor on the
+    prompts' device (-1: none; else ``code * rows + row`` of the first bad row, see
+    :data:`MASK_PROBLEMS`), computed without reading the device: :func:`raise_mask_problem`
+    reads it, at once for host tensors, after the call's last step for device ones."""
+    rows, length = input_ids.shape
     if attention_mask is None:
-        if pad_token_id is None or input_ids.numel() == 0:
-            return None
-        is_pad = input_ids.cpu() == pad_token_id  # read once per call, on the host
-        edge = is_pad[:, 0] | is_pad[:, -1]
-        if not bool(edge.any()):
-            return None
-        if pad_token_id in eos_token_ids:
-            row = int(edge.nonzero()[0])
-            raise ValueError(
-                f"row {row} of input_ids begins or ends with pad_token_id={pad_token_id}, which is also an end token, "
-                "so its padding cannot be told from its tokens: pass attention_mask"
-            )
-        # padding: the run of pad tokens at the start (left) or at the end (right) of a row
+        if pad_token_id is None:
+            return None, None
+        is_pad = input_ids == pad_token_id
         lead = is_pad.long().cumprod(1).bool()
         trail = is_pad.flip(1).long().cumprod(1).flip(1).bool()
         keep = ~(lead | trail)
-        empty = ~keep.any(1)
-        if bool(empty.any()):
-            raise ValueError(
-                f"row {int(empty.nonzero()[0])} of input_ids holds only pad_token_id={pad_token_id}: every prompt "
-                "needs at least one token (pass attention_mask if the pad token is a real token there)"
-            )
-        return keep.long()
+        codes = torch.where(keep.any(1), 0, 4)
+        if pad_token_id in eos_token_ids:
+            codes = torch.where(is_pad[:, 0] | is_pad[:, -1], 5, codes)
+        return keep.long(), _first_problem(codes)
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}")
-    mask = attention_mask.to("cpu")
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("attention_mask must hold 0 (padding) and 1 (a token) only")
-    keep = mask.bool()
-    empty = ~keep.any(1)
-    if bool(empty.any()):
-        raise ValueError(f"row {int(empty.nonzero()[0])} of attention_mask is all 0: every prompt needs at least one token")
-    # real tokens contiguous: between a row's first and last real token there is no padding
-    first, last = keep.int().argmax(1), keep.shape[1] - 1 - keep.flip(1).int().argmax(1)
-    columns = torch.arange(keep.shape[1])
-    inside = (columns >= first[:, None]) & (columns <= last[:, None])
-    holes = (inside & ~keep).any(1)
-    if bool(holes.any()):
-        raise ValueError(
-            f"row {int(holes.nonzero()[0])} of attention_mask has padding between tokens: fxlora takes left- or "
-            "right-padded prompts (1s in one run)"
-        )
-    return attention_mask
+    keep = attention_mask.bool()
+    columns = torch.arange(length, device=keep.device)
+    # real tokens in one run: none between a row's first and last real token is padding
+    first = torch.where(keep, columns, length).amin(1)
+    last = torch.where(keep, columns, -1).amax(1)
+    holes = ((columns >= first[:, None]) & (columns <= last[:, None]) & ~keep).any(1)
+    codes = torch.where(holes, 3, 0)
+    codes = torch.where(keep.any(1), codes, 2)
+    codes = torch.where(((attention_mask != 0) & (attention_mask != 1)).any(1), 1, codes)
+    return attention_mask, _first_problem(codes)
+
+
+def _first_problem(codes: torch.Tensor) -> torch.Tensor:
+    rows = codes.shape[0]
+    ranked = torch.where(codes > 0, codes * rows + torch.arange(rows, device=codes.device), -1)
+    first_bad = torch.where(codes > 0, torch.arange(rows, device=codes.device), rows).argmin()
+    return torch.where(codes[first_bad] > 0, ranked[first_bad], -1)
+
+
+def raise_mask_problem(problem: int, rows: int, pad_token_id: int | None) -> None:
+    if problem >= 0:
+        code, row = divmod(problem, rows)
+        raise ValueError(MASK_PROBLEMS[code].format(row=row, pad=pad_token_id))
 
 
 def _left_align(ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int) -> tuple[torch.Tensor, torch.Tensor]:

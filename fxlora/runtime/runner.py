@@ -34,6 +34,7 @@ from fxlora.runtime.generation import PREFILL_MIN_LENGTH, default_buckets
 from fxlora.runtime.kv_cache import probe_shapes, rows_of
 from fxlora.runtime.model_call import ModelCall
 from fxlora.runtime.paged_cache import PagedKVCache
+from fxlora.runtime.pending import Pending
 from fxlora.runtime.sampler import SamplingRows, pick, suppress
 from fxlora.runtime.sequence import Decoding
 
@@ -290,29 +291,6 @@ class StreamRunner:
             for key in (keys[0], keys[2]):  # nolora, lora: one trace each serves every bucket (rows dynamic)
                 self._decode(key)
             self.graphs.capture(keys, self._decode, progress=progress)
-
-
-class Pending:
-    """A device tensor on its way to pinned host memory: :meth:`get` waits for the copy alone,
-    not for work issued after it."""
-
-    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None):
-        self.host, self.done = host, done
-
-    @staticmethod
-    def of(values: torch.Tensor) -> Pending:
-        if values.device.type != "cuda":
-            return Pending(values.clone(), None)
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return Pending(host, done)
-
-    def get(self) -> torch.Tensor:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
