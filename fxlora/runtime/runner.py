@@ -208,7 +208,8 @@ class StreamRunner:
         mask = torch.full(visible.shape, torch.finfo(self.dtype).min, dtype=self.dtype, device=ids.device)
         mask.masked_fill_(visible, 0.0)
         self.cache.prefilling, self.cache.slot_mapping = True, slots
-        return self.model_call(self.cache, ids, positions, mask, columns, slot_ids, dynamic=[(slots, (0,)), *self._pages])
+        dynamic = [(slots, (0,)), (mask, (3,)), *self._pages]  # the mask spans the prompts' columns only
+        return self.model_call(self.cache, ids, positions, mask, columns, slot_ids, dynamic=dynamic)
 
     def _prefill_shape(self, rows: int, longest: int) -> tuple[int, int] | None:
         """The ``(rows, length)`` bucket a prefill replays from a CUDA graph at, or None (eager)."""
@@ -266,7 +267,7 @@ class StreamRunner:
         self.cache.block_table = rows_of(self.block_table, rows)
         slot_ids = rows_of(self.slot_ids, rows) if variant == "lora" else None
         ids, positions = rows_of(self.next_ids, rows), rows_of(self.lengths, rows)
-        logits = self.model_call(self.cache, ids, positions, mask, lengths[:1], slot_ids, dynamic=[(self.cache.block_table, (0,)), *self._pages])
+        logits = self.model_call(self.cache, ids, positions, mask, lengths[:1], slot_ids, dynamic=[(self.cache.block_table, (0,)), (self.cache.slot_mapping, (0,)), *self._pages])
         count, eos = self.count[:rows], self.eos[:rows]
         s = self.sampling
         logits = suppress(logits.float(), eos, live & (count < self.min_new[:rows]))
@@ -274,7 +275,8 @@ class StreamRunner:
         tokens = pick(logits, view, count, sampling)
         made = count + live.long()
         ended = live & ((tokens[:, None] == eos).any(1) | (made >= self.max_new[:rows]))
-        self.ring[:, :rows].index_copy_(0, self.ring_index, torch.where(live, tokens, -1)[None])
+        # modulo the ring's length: warm-ups and captures step it too
+        self.ring[:, :rows].index_copy_(0, self.ring_index % self.ring.shape[0], torch.where(live, tokens, -1)[None])
         self.ring_index.add_(1)
         self.next_ids[:rows, 0].copy_(torch.where(live, tokens, self.next_ids[:rows, 0]))
         self.lengths[:rows, 0].add_(live.long())
