@@ -30,11 +30,16 @@ NAMES = ["a", "b", None, "c"]
 def _served(dtype, family="llama"):
     torch._dynamo.reset()
     cpu_model = tiny_model(family, seed=4, hidden_size=64, intermediate_size=160, vocab_size=200)
+    cpu_model.lm_head.weight.data.mul_(4)  # peaked logits: few near-ties for half precision to flip
     targets = [t for t in lora_module_names(cpu_model) if "experts" not in t]
+    # the experts carry LoRA too: served by fxlora::moe_lora, which captures in float32 (transformers'
+    # own float32 experts loop reads its offsets on the host)
+    experts = ["experts.gate_up_proj", "experts.down_proj"] if family != "llama" else None
     adapters = {
-        n: make_adapter(cpu_model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets), seed=i, directory="", scale=0.3)
+        n: make_adapter(cpu_model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, target_parameters=experts),
+                        seed=i, directory="", scale=0.3)
         for i, (n, r) in enumerate([("a", 8), ("b", 16), ("c", 4)])
-    }
+    }  # fmt: skip
     model = copy.deepcopy(cpu_model).to("cuda", dtype)
     cm = fxlora.compile(model, adapters, max_loras=4, max_rank=16, max_batch_size=8, max_len=96)
     return model, adapters, cm

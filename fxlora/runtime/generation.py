@@ -193,7 +193,7 @@ class DecodeRuntime:
         rows, prompt_len = input_ids.shape
         attention_mask, problem = prompt_mask(input_ids, attention_mask, settings.pad_token_id, settings.eos_token_ids)
         if problem is not None and problem.device.type == "cpu":
-            raise_mask_problem(int(problem), rows, settings.pad_token_id)
+            raise_mask_problem(int(problem), settings.pad_token_id)
             problem = None  # else read after the last step, with no extra wait
         max_new_tokens = settings.new_tokens(prompt_len)
         if max_new_tokens < 1:
@@ -224,7 +224,7 @@ class DecodeRuntime:
         finally:
             pool.release(slots)
         if problem is not None:  # the prompts' mask, read after the last step: no wait of its own
-            raise_mask_problem(int(Pending.of(problem).get()), rows, settings.pad_token_id)
+            raise_mask_problem(int(Pending.of(problem).get()), settings.pad_token_id)
         if streamer is not None:
             streamer.end()
         return out
@@ -409,7 +409,7 @@ def prompt_mask(
     padding). Without a mask it is read from the padding, as transformers does: the leading or
     trailing runs of ``pad_token_id`` are padding, unless the pad token is also an end token,
     where a row that begins or ends with it is ambiguous. The problem is a 0-d tensor on the
-    prompts' device (-1: none; else ``code * rows + row`` of the first bad row, see
+    prompts' device (-1: none; else ``row * 8 + code`` of the first bad row, see
     :data:`MASK_PROBLEMS`), computed without reading the device: :func:`raise_mask_problem`
     reads it, at once for host tensors, after the call's last step for device ones."""
     rows, length = input_ids.shape
@@ -441,15 +441,15 @@ def prompt_mask(
 
 
 def _first_problem(codes: torch.Tensor) -> torch.Tensor:
-    rows = codes.shape[0]
-    ranked = torch.where(codes > 0, codes * rows + torch.arange(rows, device=codes.device), -1)
-    first_bad = torch.where(codes > 0, torch.arange(rows, device=codes.device), rows).argmin()
-    return torch.where(codes[first_bad] > 0, ranked[first_bad], -1)
+    """``row * 8 + code`` of the first row with a problem, or -1; no indexing by a device value."""
+    rows = torch.arange(codes.shape[0], device=codes.device)
+    first = torch.where(codes > 0, rows * 8 + codes, codes.shape[0] * 8).amin()
+    return torch.where(first < codes.shape[0] * 8, first, -1)
 
 
-def raise_mask_problem(problem: int, rows: int, pad_token_id: int | None) -> None:
+def raise_mask_problem(problem: int, pad_token_id: int | None) -> None:
     if problem >= 0:
-        code, row = divmod(problem, rows)
+        row, code = divmod(problem, 8)
         raise ValueError(MASK_PROBLEMS[code].format(row=row, pad=pad_token_id))
 
 

@@ -41,6 +41,7 @@ from fxlora.runtime.sequence import Decoding
 log = logging.getLogger(__name__)
 
 MAX_EOS = 16  # end tokens one request may name
+PREFILL_ALIGN = 8  # an eager prefill's length is a multiple of this: Inductor's code guards on (length % 8)
 
 
 class StreamRunner:
@@ -163,7 +164,8 @@ class StreamRunner:
         the host."""
         n, longest = len(rows), max(map(len, prompts))
         shape = self._prefill_shape(n, longest)
-        prefill_rows, length = shape or (n + int(n == 1), longest)  # eagerly, one row as two: Dynamo specialises 1
+        # eagerly, one row as two (Dynamo specialises 1), and a length Inductor's alignment guards admit
+        prefill_rows, length = shape or (n + int(n == 1), -(-longest // PREFILL_ALIGN) * PREFILL_ALIGN)
         ids = torch.zeros(prefill_rows, length, dtype=torch.long)
         keep = torch.zeros(prefill_rows, length, dtype=torch.bool)
         slots = torch.zeros(prefill_rows, length, dtype=torch.long)  # TRASH_BLOCK's slots: padding writes there
