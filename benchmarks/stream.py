@@ -9,8 +9,9 @@ The workload: ``--requests`` requests (seeded), prompts of 32-512 random tokens,
 tokens each, no end token (every request makes all its tokens), all arriving at once, in that
 order; request ``i`` names adapter ``ad{i % adapters}`` (rank 16 on every linear), or none with
 ``--adapters 0``. Useful tokens/s is the tokens the requests asked for over the time from the
-first request's submission to the last one's result, after a warm-up (the same prompts, two new
-tokens each, so every prefill shape is compiled and captured). Time to first token counts from
+first request's submission to the last one's result, after a warm-up (for the stream, the same
+workload once, so every prefill shape its admissions make is compiled and captured; for static
+batches, the same batches with two new tokens). Time to first token counts from
 submission (every request is submitted at the start, so it includes the wait for a row); time
 per output token is a request's (finish - first token) / (tokens - 1).
 
@@ -87,7 +88,8 @@ def run_system(system: str, model_name: str, requests: int, count: int) -> dict:
             options = dict(max_batch_size=rows, max_len=MAX_LEN, kv_cache_memory=static_bytes)
             cm._requests(options, None)  # the engine: paged cache, decode graphs traced and captured
             result["setup_s"] = time.perf_counter() - start
-            cm.generate_batch(prompts, names, max_new_tokens=2, eos_token_id=(), progress_bar=False)  # prefill shapes
+            # the whole workload once: every prefill shape its admissions make is compiled and captured
+            cm.generate_batch(prompts, names, max_new_tokens=news, eos_token_id=(), progress_bar=False)
             result["warm_up_s"] = time.perf_counter() - start - result["setup_s"]
             torch.cuda.synchronize()
             begin = time.perf_counter()
