@@ -185,8 +185,9 @@ def generate_batch(
     manager: ServingManager | None = None,
 ) -> list[GenerationOutput]:
     """Every input to its end; results in input order. A bad input gets a result with
-    ``finish_reason="error"`` and its message, and the others run. The engine's turns run in
-    the caller's thread, or in ``manager``'s loop when given."""
+    ``finish_reason="error"`` and its message, and the others run. Requests start longest first
+    (by ``max_new_tokens``, then prompt length). The engine's turns run in the caller's thread,
+    or in ``manager``'s loop when given."""
     if isinstance(inputs, (str, torch.Tensor)) or not isinstance(inputs, Seq):
         raise TypeError(f"inputs must be a list of token-id lists, got {type(inputs).__name__}")
     n = len(inputs)
@@ -207,6 +208,10 @@ def generate_batch(
             index[request_id] = i
         except (ValueError, TypeError) as e:
             outputs[i] = GenerationOutput(request_id, _ids_or_empty(prompt), adapter_name=name, finish_reason="error", error=str(e))
+    # Longest first: every result is returned at the end, so the order requests start in is free,
+    # and starting the longest ones first leaves the shortest to fill the rows at the end, where
+    # arrival order would leave a few long ones decoding in a nearly empty batch.
+    seqs.sort(key=lambda seq: (seq.decoding.max_new_tokens, len(seq.prompt_ids)), reverse=True)
     from tqdm.auto import tqdm
 
     with tqdm(total=n, desc="fxlora: generating", unit="request", **shown(progress_bar)) as bar:
