@@ -190,7 +190,7 @@ class CompiledModel(torch.nn.Module):
         wanted = StreamOptions(**{**defaults, "buckets": _tuple(self._runtime_options["buckets"]), **options})
         with self._backend.lock:
             if self._engine is None or (options and self._engine[0] != wanted):
-                engine = make_engine(self.model, self._compiled, self._backend, wanted)
+                engine = make_engine(self.model, self._compiled, self._backend, wanted, self._group)
                 self._engine = (wanted, engine)
             engine = self._engine[1]
         vocab = getattr(self.config.get_text_config(decoder=True), "vocab_size", None)

@@ -17,6 +17,7 @@ import torch
 from peft import LoraConfig
 from ranks import run_ranks
 from safetensors.torch import save_file
+from tp_worker import stream_tokens
 
 import fxlora
 from fxlora.testing import RTOL, make_adapter, peft_model_with, reference_generate, tiny_model
@@ -46,6 +47,8 @@ def single_process(model, directory: Path, script: dict, ids: torch.Tensor) -> d
         cm.unload_adapter("a")
         out["unloaded"] = cm(input_ids=ids, adapter_names=script["unloaded"]).logits
         out["generated"] = cm.generate(ids, adapter_names=script["generate"], max_new_tokens=script["max_new_tokens"])
+        cm._requests(dict(max_batch_size=3, max_len=32, block_size=4, window=3), None)
+        out["stream"] = stream_tokens(cm, script["stream"])
     return out
 
 
@@ -129,6 +132,8 @@ def _run_case(case_name: str, tmp_path_factory) -> tuple:
         "unloaded": ["b", "c", "c", None],
         "generate": ["c", None, "b", "c"],
         "max_new_tokens": 5,
+        # the request stream: more requests than rows, adapters of both loads, none
+        "stream": [[[5, 6, 7], "b", 4], [[8, 9], None, 6], [[10, 11, 12, 13], "c", 3], [[14], "b", 5], [[15, 16], "c", 2]],
     }
     (directory / "script.json").write_text(json.dumps(script))
     ids = torch.randint(3, 96, (4, 6), generator=torch.Generator().manual_seed(7))
@@ -168,6 +173,15 @@ def check_generate_matches_one_process_and_peft(case):
         assert torch.equal(out["generated"][:, -5:], oracle["generated"])
 
 
+def check_the_stream_follows_rank_0_and_matches_one_process(case):
+    _, ranks, expected, _ = case
+    for out, report in ranks:
+        assert torch.equal(out["stream"], expected["stream"])
+        rows = [[t for t in row.tolist() if t >= 0] for row in expected["stream"]]
+        assert report["served"] == rows  # every rank's loop served the requests rank 0 added
+    assert ranks[0][1]["served_ids"] == [f"s{i}" for i in range(5)] and ranks[1][1]["served_ids"] == [None] * 5
+
+
 def check_a_load_one_rank_fails_changes_nothing_on_any_rank(case):
     name, ranks, _, _ = case
     (_, first), (_, second) = ranks
@@ -194,5 +208,6 @@ def test_two_ranks_serve_the_sharded_model(case_name, tmp_path_factory):
     check_mixed_batches_match_one_process_and_peft(case)
     check_every_target_is_served_on_every_rank(case)
     check_generate_matches_one_process_and_peft(case)
+    check_the_stream_follows_rank_0_and_matches_one_process(case)
     check_a_load_one_rank_fails_changes_nothing_on_any_rank(case)
     check_an_adapter_on_a_sharded_embedding_is_refused_naming_it(case)

@@ -40,6 +40,15 @@ def distributed_config(options: dict) -> DistributedConfig:
     return DistributedConfig(**options)
 
 
+def stream_tokens(cm: fxlora.CompiledModel, requests: list) -> torch.Tensor:
+    """``generate_batch`` over ``[prompt, adapter, max_new_tokens]`` requests, three rows at a
+    time: every request's tokens, padded with -1 to the longest."""
+    prompts, names, news = zip(*requests)
+    outs = cm.generate_batch(list(prompts), list(names), max_new_tokens=list(news), eos_token_id=(), progress_bar=False)
+    width = max(news)
+    return torch.tensor([o.generated_tokens + [-1] * (width - len(o.generated_tokens)) for o in outs])
+
+
 def main(directory: str, results: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's launcher asks where a rank waits
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -58,6 +67,7 @@ def main(directory: str, results: str) -> None:
         max_len=32,
         inner=script["inner"],
     )
+    cm._requests(dict(max_batch_size=3, max_len=32, block_size=4, window=3), None)  # the stream's engine, small
     out, report = {}, {}
     with torch.no_grad():
         out["first"] = cm(input_ids=inputs["ids"], adapter_names=script["first"]).logits
@@ -81,6 +91,12 @@ def main(directory: str, results: str) -> None:
         out["generated"] = cm.generate(
             inputs["ids"], adapter_names=script["generate"], max_new_tokens=script["max_new_tokens"]
         )
+        out["stream"] = stream_tokens(cm, script["stream"])
+        # the serving loop: requests added on rank 0 only, every rank's loop serving them
+        with cm.serve(max_batch_size=2, max_len=32, block_size=4, window=2) as manager:
+            ids = [manager.add_request(p, a, n, request_id=f"s{i}", eos_token_id=()) for i, (p, a, n) in enumerate(script["stream"])]
+            report["served_ids"] = ids
+            report["served"] = [manager.get_result(f"s{i}", timeout=120).generated_tokens for i in range(len(ids))]
     # an adapter on the embedding: refused on every rank, naming it, where the plan shards it
     embedding = model.get_input_embeddings().weight
     report["embedding_sharded"] = any(not p.is_replicate() for p in getattr(embedding, "placements", ()))

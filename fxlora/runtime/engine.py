@@ -21,8 +21,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from fxlora.adapters import NO_ADAPTER, AdapterPool
 from fxlora.runtime.pending import Pending
+from fxlora.runtime.plan import Plan
 from fxlora.runtime.runner import StreamRunner
 from fxlora.runtime.scheduler import Scheduler
 from fxlora.runtime.sequence import Sequence, Status
@@ -39,8 +42,12 @@ class Event:
 
 
 class Engine:
-    def __init__(self, runner: StreamRunner, pool: AdapterPool, lock: threading.RLock, max_prefill_tokens: int):
-        self.runner, self.lock = runner, lock
+    def __init__(
+        self, runner: StreamRunner, pool: AdapterPool, lock: threading.RLock, max_prefill_tokens: int, group: object = None
+    ):
+        """``group``: the ranks of a tensor-parallel model, whose turns follow rank 0's plan."""
+        self.runner, self.lock, self.group = runner, lock, group
+        self.stopped = False
         self.scheduler = Scheduler(runner.cache.allocator, pool, runner.max_rows, max_prefill_tokens)
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._cancelled: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -76,14 +83,19 @@ class Engine:
         return bool(self._known)
 
     # -- one turn --------------------------------------------------------------------------
-    def step(self) -> list[Event]:
+    @torch.no_grad()  # whatever the calling thread's mode: a serving loop's thread starts with grad on
+    def step(self, stop: bool = False) -> list[Event]:
         """One turn. Its device work (a window of decode steps, then the gaps closed and a
         prefill) is issued in that order on one stream, and the host reads the previous turn's
         window and prefill while this turn's window runs: decisions use what the host has read,
         and every change to a row's state is issued after the steps that read it."""
         events: list[Event] = []
         with self.lock:
-            self._take_inbox(events)
+            plan = self._plan(stop)
+            self._take(plan, events)
+            if plan.stop:
+                self.stopped = True
+                return events
             window = self._launch()
             self._read(events)
             self._admit(events)
@@ -117,24 +129,37 @@ class Engine:
                     seq.finish(reason, error)
         return [Event(seq, True) for seq in ended]
 
-    def _take_inbox(self, events: list[Event]) -> None:
+    def _plan(self, stop: bool) -> Plan:
+        """What this turn takes in: the requests added and cancelled since the last one, and
+        whether to stop; under tensor parallelism, rank 0's, on every rank."""
+        plan = Plan(stop=stop)
         while True:
             try:
-                self.scheduler.add(self._inbox.get_nowait())
+                plan.added.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
-        cancelled = set()
         while True:
             try:
-                cancelled.add(self._cancelled.get_nowait())
+                plan.cancelled.add(self._cancelled.get_nowait())
             except queue.Empty:
                 break
-        if not cancelled:
+        if self.group is None:
+            return plan
+        shared = plan.broadcast(self.group)
+        with self._known_lock:  # this rank's own requests give way to rank 0's, id for id
+            for seq in shared.added:
+                self._known[seq.request_id] = seq
+        return shared
+
+    def _take(self, plan: Plan, events: list[Event]) -> None:
+        for seq in plan.added:
+            self.scheduler.add(seq)
+        if not plan.cancelled:
             return
         for seq in self.scheduler.waiting:
-            if seq.request_id in cancelled:
+            if seq.request_id in plan.cancelled:
                 seq.cancel_requested = True  # ended at admission, in order
-        ended = [seq for seq in self.scheduler.running if seq.request_id in cancelled]
+        ended = [seq for seq in self.scheduler.running if seq.request_id in plan.cancelled]
         self.runner.stop([seq.row for seq in ended])
         for seq in ended:
             seq.finish("cancelled")

@@ -61,7 +61,9 @@ class StreamOptions:
             raise ValueError(f"kv_cache_memory must be bytes (an int > 0) or a fraction of free memory in (0, 1], got {memory!r}")
 
 
-def make_engine(model: torch.nn.Module, step: Any, backend: Backend, options: StreamOptions, progress: bool = True) -> Engine:
+def make_engine(
+    model: torch.nn.Module, step: Any, backend: Backend, options: StreamOptions, group: object = None, progress: bool = True
+) -> Engine:
     """The engine of ``options``: a paged KV cache sized from its memory budget, the runner's
     buffers, and its decode graphs traced and captured."""
     param = next(model.parameters())
@@ -87,7 +89,7 @@ def make_engine(model: torch.nn.Module, step: Any, backend: Backend, options: St
     log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size, runner.cache.nbytes / 2**20)
     with backend.lock, torch.no_grad():
         runner.warm_up(progress)
-    return Engine(runner, backend.pool, backend.lock, options.max_prefill_tokens)
+    return Engine(runner, backend.pool, backend.lock, options.max_prefill_tokens, group)
 
 
 class Requests:
@@ -270,6 +272,7 @@ class ServingManager:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> ServingManager:
         if self._thread is None:
+            self.engine.stopped = False
             self._thread = threading.Thread(target=self._loop, name="fxlora-serving", daemon=True)
             self._thread.start()
         return self
@@ -278,7 +281,8 @@ class ServingManager:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
-        """Stop the loop: requests still in flight end with ``finish_reason="cancelled"``."""
+        """Stop the loop: requests still in flight end with ``finish_reason="cancelled"``. Under
+        tensor parallelism rank 0's stop stops every rank; the others wait for it."""
         self._stop.set()
         self._wake.set()
         if block and self._thread is not None:
@@ -290,14 +294,21 @@ class ServingManager:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    @property
+    def is_driver(self) -> bool:
+        """Whether this process takes requests: every process but the ranks after the first of
+        a tensor-parallel model, whose loops follow rank 0's."""
+        return self.engine.group is None or torch.distributed.get_rank(self.engine.group) == 0
+
     def _loop(self) -> None:
         try:
-            while not self._stop.is_set():
-                if not self.engine.has_work:
+            while not self.engine.stopped:
+                if self.is_driver and not self.engine.has_work and not self._stop.is_set():
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()
-                    continue
-                self._deliver(self.engine.step())
+                    if self.engine.group is None:
+                        continue  # alone, an idle turn is nothing; ranks meet at every turn
+                self._deliver(self.engine.step(stop=self._stop.is_set()))
         except BaseException as e:  # noqa: BLE001 - every request in flight hears of it, and later calls raise it
             self.error = e
             log.exception("the serving loop stopped")
@@ -326,9 +337,12 @@ class ServingManager:
         request_id: str | None = None,
         streaming: bool = False,
         **settings: Any,
-    ) -> str:
+    ) -> str | None:
         """Queue a request; returns its id. A bad request raises here, naming it; it never
-        reaches the loop."""
+        reaches the loop. On a rank after the first of a tensor-parallel model this does
+        nothing and returns None: the loops of every rank serve the requests added on rank 0."""
+        if not self.is_driver:
+            return None
         if self.error is not None:
             raise RuntimeError(f"the serving loop stopped: {type(self.error).__name__}: {self.error}") from self.error
         if self._stop.is_set() or self._thread is None:
@@ -346,7 +360,8 @@ class ServingManager:
         self._wake.set()
 
     def cancel_request(self, request_id: str) -> None:
-        """End a request: it finishes with ``finish_reason="cancelled"`` and the tokens it made."""
+        """End a request: it finishes with ``finish_reason="cancelled"`` and the tokens it made
+        (on rank 0 under tensor parallelism, as ``add_request``)."""
         self.engine.cancel(request_id)
         self._wake.set()
 
@@ -378,7 +393,8 @@ class ServingManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._changed:
-                if request_id is not None and request_id not in self._results and not self.engine.knows(request_id):
+                unknown = request_id is not None and request_id not in self._results and not self.engine.knows(request_id)
+                if unknown and self.is_driver:  # on the other ranks, rank 0's requests are on their way
                     raise KeyError(f"no request {request_id!r}: unknown, or its result was already read")
                 while (out := self._next(request_id, partial)) is None:
                     left = None if deadline is None else deadline - time.monotonic()
