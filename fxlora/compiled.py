@@ -269,6 +269,10 @@ class CompiledModel(torch.nn.Module):
         backend, runtime = self._backend, self._runtime
         memory = {}
         lines = backend.describe_runtime()
+        if self._engine is not None:
+            engine = self._engine[1]
+            lines += engine.describe()
+            memory["paged KV cache"] = f"{engine.runner.cache.nbytes / 2**20:.2f} MiB"
         if runtime is not None:
             lines += runtime.describe()
             memory["KV cache"] = f"{runtime.cache.nbytes / 2**20:.2f} MiB ({runtime.max_batch_size} rows x {runtime.max_len} tokens)"

@@ -73,6 +73,24 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         self._cancelled.put(request_id)
 
+    def describe(self) -> list[str]:
+        """Lines for ``explain()``: the stream's rows, its cache's blocks, its graphs."""
+        r, allocator = self.runner, self.runner.cache.allocator
+        graphs = r.graphs
+        decode = sum(not isinstance(key[0], str) or key[0] != "prefill" for key in list(graphs.graphs))
+        lines = [
+            f"request stream: up to {r.max_rows} rows (batch buckets {r.buckets}), requests of up to {r.max_len} tokens, "
+            f"{len(self.scheduler.running)} running and {len(self.scheduler.waiting)} waiting",
+            f"paged KV cache: {allocator.num_blocks - 1} blocks of {allocator.block_size} tokens, {allocator.used} held, "
+            f"{allocator.free} free",
+        ]
+        if graphs.graphs:
+            lines.append(f"stream CUDA graphs: {decode} decode steps (variant x sampling x bucket) and "
+                         f"{len(graphs.graphs) - decode} prefills, captured in {graphs.capture_seconds:.1f} s")  # fmt: skip
+        else:
+            lines.append(f"stream CUDA graphs: none, steps run eagerly ({graphs.fallback_reason or 'turned off'})")
+        return lines
+
     def knows(self, request_id: str) -> bool:
         """Whether ``request_id`` is in flight (added and not ended)."""
         with self._known_lock:
