@@ -213,6 +213,23 @@ def test_greedy_generation_on_a_quantised_base_matches_peft(base, llama, wide_ll
     assert torch.equal(tokens[:, -6:], want)
 
 
+def test_the_request_stream_on_a_quantised_base_matches_peft(llama):
+    """The request stream over a torchao int8 base: each request's tokens those of transformers'
+    generate with PEFT over the same quantised base, that request alone."""
+    torch._dynamo.reset()
+    model = quantized_model(llama, quant_type("int8"))
+    adapters = adapters_for(llama, ["q_proj", "v_proj", "down_proj"])
+    cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14, 15, 16, 17, 18]]
+    cm._requests(dict(max_batch_size=2, max_len=24, block_size=4), None)  # fewer rows than requests: they queue
+    names = [*NAMES, "a"]
+    outs = cm.generate_batch(prompts, names, max_new_tokens=[5, 3, 6, 4], eos_token_id=(), progress_bar=False)
+    peft = peft_model_with(quantized_model(llama, quant_type("int8")), adapters)
+    for prompt, name, out in zip(prompts, names, outs):
+        want = reference_generate(model, peft, [name], torch.tensor([prompt]), None, len(out.generated_tokens), None, 0)
+        assert out.finish_reason == "length" and out.generated_tokens == want[0].tolist()
+
+
 def test_a_packed_weight_of_another_method_is_refused_at_compile_time(llama):
     import copy
 

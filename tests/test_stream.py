@@ -21,7 +21,7 @@ NAMES = ["a", "b", None]
 STREAM = dict(max_batch_size=3, max_len=32, block_size=4, window=3)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "deepseek_v3"])  # dense, MoE, MLA
 def served(request):
     torch._dynamo.reset()
     model = tiny_model(request.param, seed=5)
