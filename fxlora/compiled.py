@@ -74,8 +74,8 @@ class CompiledModel(torch.nn.Module):
 
     @property
     def adapter_names(self) -> list[str]:
-        """Names of the adapters loaded now, in slot order."""
-        return sorted(self.pool.slot_of, key=self.pool.slot_of.__getitem__)
+        """Names of the adapters loaded now (in a GPU slot or in the host tier), in load order."""
+        return list(self.pool.adapters)
 
     @property
     def config(self) -> Any:
@@ -350,6 +350,7 @@ def compile(
     *,
     max_loras: int = 8,
     max_rank: int = 64,
+    max_cpu_loras: int | None = None,
     target_modules: str | list[str] | None = None,
     dynamic: bool | None = None,
     fullgraph: bool = False,
@@ -363,7 +364,11 @@ def compile(
     """Compile ``model`` to serve mixed batches of LoRA adapters.
 
     ``adapters`` maps names to PEFT adapter directories, ``(config, state_dict)`` pairs or
-    ``{"config": ..., "state_dict": ...}`` mappings. A ``peft.PeftModel`` brings its own
+    ``{"config": ..., "state_dict": ...}`` mappings, any number of them: ``max_loras`` is the
+    GPU slots, and an adapter without one waits in the host tier (pinned host memory on CUDA)
+    until a call names it, when it is copied into a free slot, or the least recently used one no
+    call reads. ``max_cpu_loras`` bounds the adapters the host tier keeps; beyond it, adapters
+    read from directories drop their factors and are read again when needed. A ``peft.PeftModel`` brings its own
     adapters and base model. ``target_modules`` (PEFT syntax, ``"all-linear"`` included)
     reserves pool space for adapters loaded later; by default the modules of the given
     adapters are the targets, or every linear layer but the output head when none are given.
@@ -407,6 +412,7 @@ def compile(
         max_loras,
         max_rank,
         target_modules,
+        max_cpu_loras=max_cpu_loras,
         output_embedding=next((n for n, m in model.named_modules() if m is output_head), None),
     )
     group = sharding.process_group(model)
@@ -457,7 +463,9 @@ def load(pool: AdapterPool, model: torch.nn.Module, name: str, source: AdapterSo
     rank loads it or none does: a rank that fails tells the others, which raise too."""
     with sharding.one_outcome(group):
         adapter = placement.resolve(read_adapter(name, source), model)
-    pool.load(adapter, group)
+    # a directory can be read again: the host tier may drop its factors and re-read them when needed
+    reread = (lambda: placement.resolve(read_adapter(name, source), model)) if isinstance(source, (str, os.PathLike)) else None
+    pool.load(adapter, group, reload=reread)
 
 
 def _check_experts_gates(model: torch.nn.Module, pool: AdapterPool) -> None:

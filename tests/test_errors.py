@@ -133,14 +133,20 @@ def test_rank_above_max_rank(cm, ids, model, tmp_path):
     assert_load_fails(cm, ids, adapter_dir(model, tmp_path, r=9), "rank 9", "max_rank=8")
 
 
-def test_no_free_slot(cm, ids, model, tmp_path):
+def test_a_full_pool_holds_more_adapters_on_the_host(cm, ids, model, tmp_path):
     path = adapter_dir(model, tmp_path)
     cm.load_adapter(path, adapter_name="second")
+    cm.load_adapter(path, adapter_name="third")  # both slots taken (max_loras=2): held on the host
     try:
-        advice = "unload one (unload_adapter) or compile with a larger max_loras="
-        assert_load_fails(cm, ids, path, "no free slot", "max_loras=2", advice, name="third")
+        assert cm.adapter_names[-2:] == ["second", "third"] and "third" not in cm.pool.slot_of
+        first = cm(**ids, adapter_names=["third", None]).logits  # paged into the least recently used slot
+        assert "third" in cm.pool.slot_of and torch.equal(cm(**ids, adapter_names=["second", None]).logits, first)
+        three = {k: torch.cat([v, v[:1]]) for k, v in ids.items()}
+        with pytest.raises(AdapterError, match="names 3 adapters but the pool has max_loras=2 GPU slots.*max_loras=3"):
+            cm(**three, adapter_names=["good", "second", "third"])
     finally:
         cm.unload_adapter("second")
+        cm.unload_adapter("third")
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

@@ -10,10 +10,12 @@ directly and never need a retrace or recapture.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -30,6 +32,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NO_ADAPTER = -1
+
+
+@dataclass(frozen=True)
+class _Dropped:
+    """A module's LoRA the host tier dropped: read again from the adapter's source when needed."""
+
+    kind: str
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,8 +194,8 @@ class PoolTarget:
             return
         r = factors.rank
         a, b = (factors.a, factors.b) if self.info.shard is None else self.info.shard.factors(factors.a, factors.b)
-        self.lora_a[slot, ..., :r, :].copy_(a)  # an expert dimension of 1 broadcasts
-        self.lora_b[slot, ..., :r].copy_(b)
+        self.lora_a[slot, ..., :r, :].copy_(a, non_blocking=True)  # an expert dimension of 1 broadcasts
+        self.lora_b[slot, ..., :r].copy_(b, non_blocking=True)
         self.scaling[slot], self.rank[slot] = factors.scaling, r
 
 
@@ -243,13 +252,16 @@ class AdapterPool:
         max_rank: int = 64,
         target_modules: str | list[str] | None = None,
         output_embedding: str | None = "lm_head",
+        max_cpu_loras: int | None = None,
     ):
         for arg, value in (("max_loras", max_loras), ("max_rank", max_rank)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
             if value < 1:
                 raise ValueError(f"{arg} must be positive, got {value}")
-        self.max_loras, self.max_rank = max_loras, max_rank
+        if max_cpu_loras is not None and (isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int) or max_cpu_loras < 1):
+            raise ValueError(f"max_cpu_loras must be an int >= 1 (or None: no bound), got {max_cpu_loras!r}")
+        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self._patterns: LoraConfig | None = None
         if target_modules:
             from peft import LoraConfig
@@ -261,11 +273,19 @@ class AdapterPool:
         self.targets: dict[str, PoolTarget] = {}
         self.groups: dict[tuple[str, ...], PoolGroup] = {}
         self.complete = False
-        self.adapters: dict[str, LoraAdapter] = {}
-        self.slot_of: dict[str, int] = {}
-        # Calls in flight pin the slots they read: an adapter unloaded under one keeps its
-        # slot's contents until the last such call ends, and no load takes that slot before.
+        self.adapters: dict[str, LoraAdapter] = {}  # every registered adapter, in registration order
+        self.slot_of: dict[str, int] = {}  # the resident ones: their GPU slots
+        # the host tier: adapters whose factors are in (pinned) host memory, least recently used
+        # first; one beyond max_cpu_loras keeps only how to read it again (its directory)
+        self._host: OrderedDict[str, None] = OrderedDict()
+        self._reload: dict[str, Callable[[], LoraAdapter]] = {}
+        self._used = [0] * max_loras  # when each slot was last acquired (a clock), for LRU eviction
+        self._clock = 0
+        self.hits = self.misses = 0  # acquisitions that found their adapter resident, or paged it in
+        # Calls in flight pin the slots they read: an adapter unloaded or evicted under one keeps
+        # its slot's contents until the last such call ends, and no load takes that slot before.
         self._lock = threading.RLock()
+        self._released = threading.Condition(self._lock)
         self._pins = [0] * max_loras
         self._draining: set[int] = set()
 
@@ -284,7 +304,9 @@ class AdapterPool:
                 raise ShardingError(
                     f"module {fqn!r} is targeted ({self.targeted_by([fqn])}), but {info.unshardable}: fxlora cannot split its LoRA"
                 )
-        for adapter in self.adapters.values():
+        for name, adapter in list(self.adapters.items()):
+            if adapter.modules.keys() & new.keys():
+                adapter = self._factors(name)
             for fqn in adapter.modules.keys() & new.keys():
                 self._check_module(adapter, fqn, new[fqn])
             if complete:
@@ -296,7 +318,10 @@ class AdapterPool:
             if self.wants(fqn, info):
                 self.targets[fqn] = target = PoolTarget(fqn, info, self.max_loras, self.max_rank)
                 for adapter in users:
-                    target.write(self.slot_of[adapter.name], adapter)
+                    if adapter.name in self.slot_of:
+                        target.write(self.slot_of[adapter.name], self._factors(adapter.name))
+        for name in self._host:  # adapters registered before their modules: in pinned memory now, if on CUDA
+            self.adapters[name] = self._pinned(self.adapters[name])
 
     def wants(self, fqn: str, info: ModuleInfo) -> bool:
         """Whether registering module ``fqn`` makes it a target: a loaded adapter touches it,
@@ -371,19 +396,83 @@ class AdapterPool:
         return group
 
     # -- adapters ------------------------------------------------------------------------
-    def load(self, adapter: LoraAdapter, group: object | None = None) -> int:
-        """Copy ``adapter`` into a free slot; checks everything before writing anything. With
-        the process ``group`` of a tensor-parallel model, every rank writes or none does."""
+    def load(
+        self, adapter: LoraAdapter, group: object | None = None, reload: Callable[[], LoraAdapter] | None = None
+    ) -> int | None:
+        """Register ``adapter``: checked against every module before anything changes, then held
+        in the host tier, and copied into a GPU slot now if one is free (else when a call names
+        it). With the process ``group`` of a tensor-parallel model, every rank registers it or
+        none does. ``reload`` reads it again (from its directory) once the host tier had to drop
+        its factors. Returns its slot, or None."""
         with self._lock:
             with sharding.one_outcome(group):
-                slot = self._check_load(adapter)
-            self._write(slot, adapter)
-            self.adapters[adapter.name], self.slot_of[adapter.name] = adapter, slot
-        log.info("loaded adapter %r into slot %d", adapter.name, slot)
+                self._check_load(adapter)
+            self.adapters[adapter.name] = self._pinned(adapter)
+            if reload is not None:
+                self._reload[adapter.name] = reload
+            self._keep_on_host(adapter.name)
+            slot = self._free_slot(evict=False)
+            if slot is not None:
+                self._place(adapter.name, slot)
+        where = f"slot {slot}" if slot is not None else "the host tier (no free slot: it is paged in when a call names it)"
+        log.info("loaded adapter %r into %s", adapter.name, where)
         return slot
 
-    def _check_load(self, adapter: LoraAdapter) -> int:
-        """The slot ``adapter`` would load into, after checking it fits."""
+    def _pinned(self, adapter: LoraAdapter) -> LoraAdapter:
+        """``adapter`` with its factors in pinned host memory, when the slots are on CUDA: copies
+        to a slot are then asynchronous, and may run beside compute on a side stream."""
+        on_cuda = any(t.info.device.type == "cuda" for t in self.targets.values())
+        if not on_cuda or all(isinstance(f, _Dropped) or f.a.is_pinned() for f in adapter.modules.values()):
+            return adapter
+        modules = {
+            fqn: f if isinstance(f, _Dropped) else dataclasses.replace(f, a=f.a.cpu().pin_memory(), b=f.b.cpu().pin_memory())
+            for fqn, f in adapter.modules.items()
+        }
+        return dataclasses.replace(adapter, modules=modules)
+
+    def _keep_on_host(self, name: str) -> None:
+        """``name`` was just used: the most recent of the host tier, whose oldest beyond
+        ``max_cpu_loras`` drop their factors if they can be read again."""
+        self._host[name] = None
+        self._host.move_to_end(name)
+        if self.max_cpu_loras is None:
+            return
+        for old in [n for n in self._host if n in self._reload][: max(0, len(self._host) - self.max_cpu_loras)]:
+            del self._host[old]
+            adapter = self.adapters[old]
+            self.adapters[old] = dataclasses.replace(adapter, modules={k: _Dropped(f.kind) for k, f in adapter.modules.items()})
+
+    def _factors(self, name: str) -> LoraAdapter:
+        """``name``'s factors, read again from its source if the host tier dropped them."""
+        if name not in self._host:
+            self.adapters[name] = self._pinned(self._reload[name]())
+        self._keep_on_host(name)
+        return self.adapters[name]
+
+    def _free_slot(self, evict: bool = True) -> int | None:
+        """A slot a new adapter may take: an empty one, else (with ``evict``) the least recently
+        used one that no call reads (its adapter stays registered, on the host); None if none."""
+        taken = set(self.slot_of.values())
+        empty = [s for s in range(self.max_loras) if s not in taken and s not in self._draining]
+        if empty or not evict:
+            return empty[0] if empty else None
+        evictable = [s for s in taken if not self._pins[s]]
+        return min(evictable, key=self._used.__getitem__) if evictable else None
+
+    def _place(self, name: str, slot: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy ``name`` into ``slot``, evicting whoever held it (on ``stream`` if given)."""
+        adapter = self._factors(name)  # before anything changes: reading it again may fail
+        evicted = next((n for n, s in self.slot_of.items() if s == slot), None)
+        if evicted is not None:
+            del self.slot_of[evicted]
+            log.info("evicted adapter %r from slot %d (it stays registered)", evicted, slot)
+        self._write(slot, adapter, stream)
+        self.slot_of[name] = slot
+        self._clock += 1
+        self._used[slot] = self._clock
+
+    def _check_load(self, adapter: LoraAdapter) -> None:
+        """Check that ``adapter`` fits the pool and the model."""
         name = adapter.name
         unresolved = [fqn for fqn, f in adapter.modules.items() if f.kind == "parameter"]
         if unresolved:
@@ -393,13 +482,6 @@ class AdapterPool:
             )
         if name in self.adapters:
             raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
-        free = [s for s in range(self.max_loras) if s not in self.slot_of.values() and s not in self._draining]
-        if not free:
-            draining = f" ({len(self._draining)} more until the calls reading them end)" if self._draining else ""
-            raise AdapterError(
-                f"adapter {name!r}: no free slot: all max_loras={self.max_loras} slots hold {sorted(self.adapters)}"
-                f"{draining}; unload one (unload_adapter) or compile with a larger max_loras= (max_loras={self.max_loras + 1} or more)"
-            )
         if adapter.max_rank > self.max_rank:
             worst = max(adapter.modules, key=lambda m: adapter.modules[m].rank)
             raise AdapterError(
@@ -415,7 +497,6 @@ class AdapterPool:
                         f"adapter {name!r} ({adapter.source}): module {fqn!r} was not compiled as a LoRA target; "
                         "name it in target_modules when compiling"
                     )
-        return free[0]
 
     def unload(self, name: str) -> None:
         """Take ``name`` out: calls that start later cannot name it. Its slot is zeroed now,
@@ -423,22 +504,67 @@ class AdapterPool:
         with self._lock:
             if name not in self.adapters:
                 raise AdapterError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
-            slot = self.slot_of.pop(name)
             del self.adapters[name]
-            if self._pins[slot]:
+            self._host.pop(name, None)
+            self._reload.pop(name, None)
+            slot = self.slot_of.pop(name, None)
+            if slot is not None and self._pins[slot]:
                 self._draining.add(slot)
-            else:
+            elif slot is not None:
                 self._write(slot, None)
-        log.info("unloaded adapter %r from slot %d", name, slot)
+        log.info("unloaded adapter %r%s", name, f" from slot {slot}" if slot is not None else " (it held no slot)")
 
-    def acquire(self, adapter_names: Sequence[str | None]) -> tuple[list[int], set[str]]:
+    def acquire(
+        self, adapter_names: Sequence[str | None], stream: torch.cuda.Stream | None = None, timeout: float | None = 60.0
+    ) -> tuple[list[int], set[str]]:
         """Per-row slot ids for a call, pinned until :meth:`release`, and the target modules
-        the named adapters change (for the call's coverage check)."""
+        the named adapters change (for the call's coverage check). An adapter without a slot is
+        paged in: into an empty slot, else the least recently used one no call reads; its copy
+        runs on ``stream`` when given (the caller waits for that stream before reading it), else
+        in order on the current one. When every slot is read by calls in flight, waits up to
+        ``timeout`` seconds (None: as long as it takes) for one to end."""
         with self._lock:
-            slots = self.slot_ids(adapter_names)
-            for slot in set(slots) - {NO_ADAPTER}:
-                self._pins[slot] += 1
-            return slots, self.modules_of({n for n in adapter_names if n is not None})
+            names = list(dict.fromkeys(n for n in adapter_names if n is not None))
+            for name in names:
+                if name not in self.adapters:
+                    raise AdapterError(f"unknown adapter {name!r} in adapter_names; loaded: {sorted(self.adapters)}")
+            if len(names) > self.max_loras:
+                raise AdapterError(
+                    f"a call names {len(names)} adapters but the pool has max_loras={self.max_loras} GPU slots: split the "
+                    f"batch, or compile with max_loras={len(names)} or more"
+                )
+            pinned: list[int] = []
+            try:
+                for name in names:  # each pinned once placed, so that no other call evicts it meanwhile
+                    if name in self.slot_of:
+                        self.hits += 1
+                    else:
+                        self.misses += 1
+                        self._place(name, self._wait_for_slot(name, timeout), stream)
+                    slot = self.slot_of[name]
+                    self._pins[slot] += 1
+                    pinned.append(slot)
+                    self._clock += 1
+                    self._used[slot] = self._clock
+            except BaseException:
+                for slot in pinned:
+                    self._pins[slot] -= 1
+                raise
+            return self.slot_ids(adapter_names), self.modules_of(names)
+
+    def _wait_for_slot(self, name: str, timeout: float | None) -> int:
+        """A slot for ``name`` (under the lock), waiting up to ``timeout`` for a call to end."""
+        if not self._released.wait_for(lambda: self._free_slot() is not None, timeout):
+            raise AdapterError(
+                f"adapter {name!r}: no GPU slot came free in {timeout} s: all max_loras={self.max_loras} slots are read "
+                "by calls in flight; compile with a larger max_loras= or wait for them"
+            )
+        return self._free_slot()
+
+    def can_acquire(self, name: str | None) -> bool:
+        """Whether :meth:`acquire` of ``name`` alone would find it a slot now, without waiting."""
+        with self._lock:
+            return name is None or name in self.slot_of or self._free_slot() is not None
 
     def release(self, slots: Iterable[int]) -> None:
         """End a call's pins; a slot unloaded meanwhile is zeroed once nothing reads it."""
@@ -448,24 +574,33 @@ class AdapterPool:
                 if not self._pins[slot] and slot in self._draining:
                     self._draining.discard(slot)
                     self._write(slot, None)
+            self._released.notify_all()
 
-    def _write(self, slot: int, adapter: LoraAdapter | None) -> None:
-        for target in self.targets.values():
-            target.write(slot, adapter)
-        for group in self.groups.values():
-            group.refresh(slot)
+    def _write(self, slot: int, adapter: LoraAdapter | None, stream: torch.cuda.Stream | None = None) -> None:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for target in self.targets.values():
+                target.write(slot, adapter)
+            for group in self.groups.values():
+                group.refresh(slot)
 
     def slot_ids(self, adapter_names: Sequence[str | None]) -> list[int]:
-        """Per-row slot ids; ``None`` rows get :data:`NO_ADAPTER`."""
+        """Per-row slot ids of resident adapters; ``None`` rows get :data:`NO_ADAPTER`."""
         slots = []
         for name in adapter_names:
             if name is None:
                 slots.append(NO_ADAPTER)
             elif name in self.slot_of:
                 slots.append(self.slot_of[name])
+            elif name in self.adapters:
+                raise AdapterError(f"adapter {name!r} holds no GPU slot now: acquire() pages it in")
             else:
                 raise AdapterError(f"unknown adapter {name!r} in adapter_names; loaded: {sorted(self.adapters)}")
         return slots
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the host tier's factors take."""
+        return sum(f.a.nbytes + f.b.nbytes for n in self._host for f in self.adapters[n].modules.values())
 
     def targeted_by(self, fqns: Iterable[str]) -> str:
         """What targets these modules, for messages: the loaded adapters with LoRA on any of

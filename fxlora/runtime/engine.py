@@ -48,6 +48,8 @@ class Engine:
         """``group``: the ranks of a tensor-parallel model, whose turns follow rank 0's plan."""
         self.runner, self.lock, self.group = runner, lock, group
         self.stopped = False
+        # adapters paged into GPU slots are copied on a stream of their own, beside the decode
+        self._copies = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
         self.scheduler = Scheduler(runner.cache.allocator, pool, runner.max_rows, max_prefill_tokens)
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._cancelled: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -244,7 +246,7 @@ class Engine:
         self._end(ended, events)
 
     def _admit(self, events: list[Event]) -> None:
-        admitted, failed = self.scheduler.admit()
+        admitted, failed = self.scheduler.admit(self._copies)
         events += [Event(seq, True) for seq in failed]
         if not admitted:
             return
@@ -253,6 +255,8 @@ class Engine:
         for row, seq in zip(rows, admitted):
             seq.row, seq.unread = row, 1  # its first token, read next turn
             self.scheduler.grow(seq, len(seq.prompt_ids) + 1)
+        if self._copies is not None:  # adapters paged in for them: their copies ran beside the window
+            torch.cuda.current_stream(self.runner.device).wait_stream(self._copies)
         self.runner.place(rows, [s.decoding for s in admitted], [s.slot for s in admitted], [s.blocks for s in admitted])
         pending = self.runner.prefill(
             rows,

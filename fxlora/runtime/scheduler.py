@@ -8,7 +8,11 @@ budget (the first request is admitted whatever its length). Admission resolves t
 adapter to a pool slot and pins it until the request ends, so an adapter unloaded meanwhile
 keeps serving the requests admitted with it; a request whose adapter is gone fails alone.
 Requests are admitted in order: one that waits for blocks holds back those behind it, so no
-request waits longer than the running ones take to free what it needs.
+request waits longer than the running ones take to free what it needs. The scheduler knows
+adapters: a request whose adapter is not in a GPU slot gets one (a free slot, else the least
+recently used one no running request reads; the copy overlaps the running decode), and when
+every slot is read by running requests, the requests behind it whose adapters are in slots may
+go first, for a bounded number of turns.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from fxlora.adapters import NO_ADAPTER, AdapterPool
 from fxlora.errors import AdapterError
 from fxlora.runtime.block_allocator import BlockAllocator, blocks_for
 from fxlora.runtime.sequence import Sequence, Status
+
+# turns a request whose adapter finds no free GPU slot may be passed over by requests whose
+# adapters are in slots (each turn a window of decode steps): its wait stays bounded
+ADAPTER_PASSES = 32
 
 
 class Scheduler:
@@ -35,11 +43,15 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def admit(self) -> tuple[list[Sequence], list[Sequence]]:
+    def admit(self, copy_stream: object = None) -> tuple[list[Sequence], list[Sequence]]:
         """The waiting requests that join the batch now, and those that failed on admission
-        (their adapter no longer loaded)."""
+        (their adapter no longer loaded). A request whose adapter has no GPU slot gets one
+        (its copy issued on ``copy_stream``); when every slot is read by running requests it
+        is passed over, for the requests behind it whose adapters are in slots, at most
+        :data:`ADAPTER_PASSES` turns, after which nothing behind it starts before it."""
         admitted: list[Sequence] = []
         failed: list[Sequence] = []
+        passed: list[Sequence] = []
         tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_rows:
             seq = self.waiting[0]
@@ -53,9 +65,15 @@ class Scheduler:
                 break
             if not self.allocator.can_promise(need):
                 break
+            if seq.adapter_name is not None and seq.adapter_name in self.pool.adapters and not self.pool.can_acquire(seq.adapter_name):
+                if seq.passes >= ADAPTER_PASSES:
+                    break  # its wait is over: the requests behind it wait for it
+                seq.passes += 1
+                passed.append(self.waiting.popleft())
+                continue
             self.waiting.popleft()
             try:
-                (seq.slot,), _ = self.pool.acquire([seq.adapter_name])
+                (seq.slot,), _ = self.pool.acquire([seq.adapter_name], stream=copy_stream, timeout=0)
             except AdapterError as e:
                 seq.finish("error", f"request {seq.request_id!r}: {e}")
                 failed.append(seq)
@@ -64,6 +82,7 @@ class Scheduler:
             seq.reserved, seq.status = need, Status.RUNNING
             tokens += len(seq.prompt_ids)
             admitted.append(seq)
+        self.waiting.extendleft(reversed(passed))  # back at the front, in their order
         self.running += admitted
         return admitted, failed
 

@@ -76,6 +76,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.cancel_requested = False
+        self.passes = 0  # turns later requests went first while its adapter found no GPU slot
         self.created_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
