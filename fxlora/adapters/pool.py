@@ -277,7 +277,7 @@ class AdapterPool:
         self.slot_of: dict[str, int] = {}  # the resident ones: their GPU slots
         # the host tier: adapters whose factors are in (pinned) host memory, least recently used
         # first; one beyond max_cpu_loras keeps only how to read it again (its directory)
-        self._host: OrderedDict[str, None] = OrderedDict()
+        self.host: OrderedDict[str, None] = OrderedDict()
         self._reload: dict[str, Callable[[], LoraAdapter]] = {}
         self._used = [0] * max_loras  # when each slot was last acquired (a clock), for LRU eviction
         self._clock = 0
@@ -320,7 +320,7 @@ class AdapterPool:
                 for adapter in users:
                     if adapter.name in self.slot_of:
                         target.write(self.slot_of[adapter.name], self._factors(adapter.name))
-        for name in self._host:  # adapters registered before their modules: in pinned memory now, if on CUDA
+        for name in self.host:  # adapters registered before their modules: in pinned memory now, if on CUDA
             self.adapters[name] = self._pinned(self.adapters[name])
 
     def wants(self, fqn: str, info: ModuleInfo) -> bool:
@@ -433,18 +433,18 @@ class AdapterPool:
     def _keep_on_host(self, name: str) -> None:
         """``name`` was just used: the most recent of the host tier, whose oldest beyond
         ``max_cpu_loras`` drop their factors if they can be read again."""
-        self._host[name] = None
-        self._host.move_to_end(name)
+        self.host[name] = None
+        self.host.move_to_end(name)
         if self.max_cpu_loras is None:
             return
-        for old in [n for n in self._host if n in self._reload][: max(0, len(self._host) - self.max_cpu_loras)]:
-            del self._host[old]
+        for old in [n for n in self.host if n in self._reload][: max(0, len(self.host) - self.max_cpu_loras)]:
+            del self.host[old]
             adapter = self.adapters[old]
             self.adapters[old] = dataclasses.replace(adapter, modules={k: _Dropped(f.kind) for k, f in adapter.modules.items()})
 
     def _factors(self, name: str) -> LoraAdapter:
         """``name``'s factors, read again from its source if the host tier dropped them."""
-        if name not in self._host:
+        if name not in self.host:
             self.adapters[name] = self._pinned(self._reload[name]())
         self._keep_on_host(name)
         return self.adapters[name]
@@ -505,7 +505,7 @@ class AdapterPool:
             if name not in self.adapters:
                 raise AdapterError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
             del self.adapters[name]
-            self._host.pop(name, None)
+            self.host.pop(name, None)
             self._reload.pop(name, None)
             slot = self.slot_of.pop(name, None)
             if slot is not None and self._pins[slot]:
@@ -600,7 +600,7 @@ class AdapterPool:
     @property
     def host_bytes(self) -> int:
         """Host memory the host tier's factors take."""
-        return sum(f.a.nbytes + f.b.nbytes for n in self._host for f in self.adapters[n].modules.values())
+        return sum(f.a.nbytes + f.b.nbytes for n in self.host for f in self.adapters[n].modules.values())
 
     def targeted_by(self, fqns: Iterable[str]) -> str:
         """What targets these modules, for messages: the loaded adapters with LoRA on any of

@@ -105,9 +105,20 @@ def report(
     )
     for name, slot in sorted(pool.slot_of.items(), key=lambda kv: kv[1]):
         a = pool.adapters[name]
-        formats = sorted({f.format for f in a.modules.values() if f.format})
+        formats = sorted({getattr(f, "format", None) for f in a.modules.values()} - {None})
         experts = f"; experts LoRA as {', '.join(formats)}" if formats else ""
         lines.append(f"  slot {slot}: {name!r}, rank <= {a.max_rank}, {len(a.modules)} modules{experts}, from {a.source}")
+    held = [n for n in pool.adapters if n not in pool.slot_of]
+    if held:
+        kept = sum(n in pool.host for n in held)
+        bound = f" (max_cpu_loras={pool.max_cpu_loras})" if pool.max_cpu_loras is not None else ""
+        lines.append(
+            f"  on the host: {len(held)} more adapter(s), {kept} with their factors in host memory{bound}, the others "
+            f"read again from their directories; e.g. {held[:4]}"
+        )
+    lines.append(
+        f"  paged in {pool.misses} time(s), found in a slot {pool.hits} time(s) since start; host tier {_mib(pool.host_bytes)}"
+    )
     lines += ["", "Graphs (each traced graph has a lora and a nolora variant):"]
     if graphs:
         for g in graphs:

@@ -1,0 +1,131 @@
+"""Adapter tiers: any number of adapters registered, GPU slots a cache over a host tier. 40
+adapters of different ranks and targets over 4 slots serve 100 requests chosen Zipf-like (and
+base-model ones) arriving over time, each token for token PEFT's greedy generation alone, with
+the pool's memory and the compiled graphs unchanged; direct calls page too; the host tier's
+bound reads adapters again from their directories; a reload while another call reads the
+adapter waits for nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from peft import LoraConfig
+
+import fxlora
+from fxlora.testing import make_adapter, peft_model_with, reference_generate, reference_logits, tiny_model
+
+TARGETS = [["q_proj", "v_proj"], ["k_proj", "o_proj", "down_proj"], ["q_proj", "up_proj", "gate_proj"], ["v_proj", "down_proj"]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=11)
+
+
+@pytest.fixture(scope="module")
+def many(model):
+    """40 adapters: ranks 1-8, four target sets."""
+    return {
+        f"ad{i:02d}": make_adapter(
+            model, LoraConfig(r=1 + i % 8, lora_alpha=2 + i % 5, target_modules=TARGETS[i % 4]), seed=100 + i, directory="", scale=0.3
+        )
+        for i in range(40)
+    }  # fmt: skip
+
+
+def zipf(n: int, count: int, gen: torch.Generator) -> list[str | None]:
+    weights = torch.tensor([1 / (k + 1) ** 1.1 for k in range(count)] + [0.6])  # and base-model requests
+    picks = torch.multinomial(weights, n, replacement=True, generator=gen).tolist()
+    return [None if k == count else f"ad{k:02d}" for k in picks]
+
+
+def test_a_stream_over_forty_adapters_in_four_slots_equals_peft(model, many):
+    torch._dynamo.reset()
+    targets = sorted({t for group in TARGETS for t in group})
+    cm = fxlora.compile(model, adapters=many, max_loras=4, max_rank=8, target_modules=targets)
+    assert cm.adapter_names == list(many) and len(cm.pool.slot_of) == 4  # the first four took the slots
+    requests = cm._requests(dict(max_batch_size=4, max_len=32, block_size=4, window=2), None)
+    engine, gen = requests.engine, torch.Generator().manual_seed(3)
+    names = zipf(100, 40, gen)
+    plan = []
+    for i, name in enumerate(names):
+        prompt = torch.randint(3, 96, (int(torch.randint(1, 9, (), generator=gen)),), generator=gen).tolist()
+        plan.append((f"q{i}", prompt, name, int(torch.randint(1, 7, (), generator=gen)), i // 4))  # four arrive a turn
+    pool_bytes, compiled = cm.pool.nbytes, None
+    done, turn = {}, 0
+    while len(done) < len(plan):
+        for request_id, prompt, name, new, arrival in plan:
+            if arrival == turn:
+                engine.add(requests.make(prompt, name, new, request_id=request_id, eos_token_id=()))
+        events = engine.step()
+        done.update({e.seq.request_id: e.seq.output() for e in events if e.finished})
+        engine.forget(events)
+        turn += 1
+        if turn == 3:
+            compiled = cm.compile_count  # decode and prefill traced by now
+    assert cm.compile_count == compiled and cm.pool.nbytes == pool_bytes  # no retrace, no new pool memory
+    assert cm.pool.misses > 4 and cm.pool.hits > 0  # adapters were paged in, and found resident
+    peft = peft_model_with(model, many)
+    for request_id, prompt, name, new, _ in plan:
+        out = done[request_id]
+        want = reference_generate(model, peft, [name], torch.tensor([prompt]), None, new, None, 0)[0].tolist()
+        assert out.error is None and out.generated_tokens == want, (request_id, name)
+    assert "on the host" in cm.explain() and "paged in" in cm.explain()
+
+
+def test_direct_calls_page_adapters_in(model, many):
+    torch._dynamo.reset()
+    chosen = {k: many[k] for k in ("ad00", "ad05", "ad10", "ad15", "ad20")}
+    cm = fxlora.compile(model, adapters=chosen, max_loras=2, max_rank=8)
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(4))
+    peft = peft_model_with(model, chosen)
+    for pair in (["ad10", "ad15"], ["ad00", None], ["ad20", "ad05"], ["ad10", "ad15"]):
+        out = cm(input_ids=ids, adapter_names=pair).logits
+        ref = reference_logits(model, peft, pair, input_ids=ids)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    tokens = cm.generate(ids, adapter_names=["ad05", "ad00"], max_new_tokens=4, eos_token_id=())
+    assert torch.equal(tokens[:, 6:], reference_generate(model, peft, ["ad05", "ad00"], ids, None, 4, None, 0))
+    with pytest.raises(fxlora.AdapterError, match="names 3 adapters but the pool has max_loras=2"):
+        cm(input_ids=torch.cat([ids, ids[:1]]), adapter_names=["ad00", "ad05", "ad10"])
+
+
+def test_the_host_tier_reads_adapters_again_beyond_its_bound(model, tmp_path):
+    torch._dynamo.reset()
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    dirs = {f"d{i}": make_adapter(model, config, seed=200 + i, directory=str(tmp_path / f"d{i}"), scale=0.3) for i in range(4)}
+    cm = fxlora.compile(model, adapters=dirs, max_loras=1, max_cpu_loras=2, max_rank=8)
+    assert len(cm.pool.host) == 2  # two keep their factors on the host; the others their directory
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(5))
+    peft = peft_model_with(model, dirs)
+    for name in ("d0", "d3", "d1", "d0"):
+        out = cm(input_ids=ids, adapter_names=[name]).logits
+        torch.testing.assert_close(out, reference_logits(model, peft, [name], input_ids=ids), rtol=1e-5, atol=1e-5)
+        assert len(cm.pool.host) <= 2
+    dropped = next(n for n in dirs if n not in cm.pool.host and n not in cm.pool.slot_of)
+    for f in (tmp_path / dropped).iterdir():  # its directory gone: a call naming it fails, and names why
+        f.unlink()
+    with pytest.raises(fxlora.AdapterError, match=dropped):
+        cm(input_ids=ids, adapter_names=[dropped])
+    assert torch.equal(cm(input_ids=ids, adapter_names=["d3"]).logits, cm(input_ids=ids, adapter_names=["d3"]).logits)
+
+
+def test_reloading_an_adapter_another_call_reads_needs_no_free_slot(model, many):
+    torch._dynamo.reset()
+    cm = fxlora.compile(model, adapters={k: many[k] for k in ("ad00", "ad01")}, max_loras=2, max_rank=8)
+    ids = torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(6))
+    slots, _ = cm.pool.acquire(["ad00", "ad01"])  # a call in flight reads both slots
+    try:
+        cm.unload_adapter("ad00")
+        cm.load_adapter(many["ad04"], adapter_name="ad00")  # registered at once: no slot needed now
+        waited = {}
+        thread = threading.Thread(target=lambda: waited.setdefault("out", cm(input_ids=ids, adapter_names=["ad00", None]).logits))
+        thread.start()
+        thread.join(timeout=0.5)
+        assert thread.is_alive()  # every slot is read: the call waits for one
+    finally:
+        cm.pool.release(slots)
+    thread.join(timeout=60)
+    ref = reference_logits(model, peft_model_with(model, {"ad00": many["ad04"]}), ["ad00", None], input_ids=ids)
+    torch.testing.assert_close(waited["out"], ref, rtol=1e-5, atol=1e-5)
