@@ -348,9 +348,10 @@ def compile(
     model: torch.nn.Module,
     adapters: Mapping[str, AdapterSource] | None = None,
     *,
-    max_loras: int = 8,
+    max_loras: int | None = 8,
     max_rank: int = 64,
     max_cpu_loras: int | None = None,
+    lora_memory: int | None = None,
     target_modules: str | list[str] | None = None,
     dynamic: bool | None = None,
     fullgraph: bool = False,
@@ -368,7 +369,9 @@ def compile(
     GPU slots, and an adapter without one waits in the host tier (pinned host memory on CUDA)
     until a call names it, when it is copied into a free slot, or the least recently used one no
     call reads. ``max_cpu_loras`` bounds the adapters the host tier keeps; beyond it, adapters
-    read from directories drop their factors and are read again when needed. A ``peft.PeftModel`` brings its own
+    read from directories drop their factors and are read again when needed. ``lora_memory``
+    (bytes, with ``max_loras=None``) gives the GPU slots as a memory budget instead: as many as
+    fit over the targets at ``max_rank``. A ``peft.PeftModel`` brings its own
     adapters and base model. ``target_modules`` (PEFT syntax, ``"all-linear"`` included)
     reserves pool space for adapters loaded later; by default the modules of the given
     adapters are the targets, or every linear layer but the output head when none are given.
@@ -413,6 +416,7 @@ def compile(
         max_rank,
         target_modules,
         max_cpu_loras=max_cpu_loras,
+        lora_memory=lora_memory,
         output_embedding=next((n for n, m in model.named_modules() if m is output_head), None),
     )
     group = sharding.process_group(model)

@@ -129,3 +129,18 @@ def test_reloading_an_adapter_another_call_reads_needs_no_free_slot(model, many)
     thread.join(timeout=60)
     ref = reference_logits(model, peft_model_with(model, {"ad00": many["ad04"]}), ["ad00", None], input_ids=ids)
     torch.testing.assert_close(waited["out"], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_slots_from_a_memory_budget(model, many):
+    chosen = {k: many[k] for k in ("ad00", "ad04", "ad08")}  # q_proj and v_proj, ranks 1, 5, 1
+    per_slot = 2 * 8 * ((32 + 32) + (32 + 16)) * 4 + 2 * 2 * 8  # two layers, two targets, rank 8, float32; scaling, rank
+    cm = fxlora.compile(model, adapters=chosen, max_loras=None, lora_memory=2 * per_slot + 7, max_rank=8)
+    assert cm.pool.max_loras == 2 and cm.pool.nbytes == 2 * per_slot and list(cm.pool.slot_of) == ["ad00", "ad04"]
+    ids = torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(8))
+    out = cm(input_ids=ids, adapter_names=["ad08", None]).logits
+    ref = reference_logits(model, peft_model_with(model, {"ad08": many["ad08"]}), ["ad08", None], input_ids=ids)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(fxlora.AdapterError, match="lora_memory=100 bytes hold no slot"):
+        fxlora.compile(model, adapters=chosen, max_loras=None, lora_memory=100, max_rank=8)
+    with pytest.raises(ValueError, match="max_loras= or as lora_memory="):
+        fxlora.compile(model, adapters=chosen, lora_memory=10**6)

@@ -248,17 +248,26 @@ class AdapterPool:
 
     def __init__(
         self,
-        max_loras: int = 8,
+        max_loras: int | None = 8,
         max_rank: int = 64,
         target_modules: str | list[str] | None = None,
         output_embedding: str | None = "lm_head",
         max_cpu_loras: int | None = None,
+        lora_memory: int | None = None,
     ):
-        for arg, value in (("max_loras", max_loras), ("max_rank", max_rank)):
+        """``lora_memory``: bytes of GPU memory for the slots, in place of ``max_loras``: as many
+        slots as fit, counted when the model's modules are registered (the targets known)."""
+        if (max_loras is None) == (lora_memory is None):
+            raise ValueError("give the pool's GPU slots as max_loras= or as lora_memory= (bytes), one of them")
+        for arg, value in (("max_loras", max_loras), ("max_rank", max_rank), ("lora_memory", lora_memory)):
+            if value is None and arg != "max_rank":
+                continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
             if value < 1:
                 raise ValueError(f"{arg} must be positive, got {value}")
+        self.lora_memory = lora_memory
+        max_loras = max_loras or 0  # counted from lora_memory when the modules are registered
         if max_cpu_loras is not None and (isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int) or max_cpu_loras < 1):
             raise ValueError(f"max_cpu_loras must be an int >= 1 (or None: no bound), got {max_cpu_loras!r}")
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
@@ -311,6 +320,8 @@ class AdapterPool:
                 self._check_module(adapter, fqn, new[fqn])
             if complete:
                 self._check_exists(adapter, self.modules.keys() | new.keys())
+        if self.lora_memory is not None and not self.targets:
+            self._size_slots(new)
         self.modules.update(new)
         self.complete = self.complete or complete
         for fqn, info in new.items():
@@ -322,6 +333,28 @@ class AdapterPool:
                         target.write(self.slot_of[adapter.name], self._factors(adapter.name))
         for name in self.host:  # adapters registered before their modules: in pinned memory now, if on CUDA
             self.adapters[name] = self._pinned(self.adapters[name])
+        for name in list(self.adapters):  # and in the slots the memory budget gave, as many as fit
+            slot = self._free_slot(evict=False) if name not in self.slot_of else None
+            if slot is not None:
+                self._place(name, slot)
+
+    def _size_slots(self, modules: dict[str, ModuleInfo]) -> None:
+        """``max_loras`` from ``lora_memory``: the bytes one slot takes over the modules that
+        become targets."""
+        per_slot = 0
+        for fqn, info in modules.items():
+            if self.wants(fqn, info):
+                size = torch.empty(0, dtype=info.dtype).element_size()
+                per_slot += max(info.experts, 1) * self.max_rank * (info.in_features + info.out_features) * size + 8
+        slots = self.lora_memory // per_slot if per_slot else 0
+        if slots < 1:
+            raise AdapterError(
+                f"lora_memory={self.lora_memory} bytes hold no slot: one takes {per_slot} bytes over the targets "
+                f"at max_rank={self.max_rank}"
+            )
+        self.max_loras = slots
+        self._pins, self._used = [0] * slots, [0] * slots
+        log.info("%d GPU slots of %d bytes each in lora_memory=%d bytes", slots, per_slot, self.lora_memory)
 
     def wants(self, fqn: str, info: ModuleInfo) -> bool:
         """Whether registering module ``fqn`` makes it a target: a loaded adapter touches it,
@@ -411,7 +444,7 @@ class AdapterPool:
             if reload is not None:
                 self._reload[adapter.name] = reload
             self._keep_on_host(adapter.name)
-            slot = self._free_slot(evict=False)
+            slot = self._free_slot(evict=False) if self.max_loras else None  # (no slots yet: sized with the modules)
             if slot is not None:
                 self._place(adapter.name, slot)
         where = f"slot {slot}" if slot is not None else "the host tier (no free slot: it is paged in when a call names it)"

@@ -39,7 +39,7 @@ from fxlora.runtime.routing import Router, check_adapter_keywords, compiling, cu
 
 log = logging.getLogger(__name__)
 
-OPTIONS = ("adapters", "max_loras", "max_rank", "target_modules", "cuda_graphs", "inner")
+OPTIONS = ("adapters", "max_loras", "max_rank", "max_cpu_loras", "target_modules", "cuda_graphs", "inner")
 
 
 class Backend:
@@ -82,6 +82,7 @@ class Backend:
             max_loras=options.get("max_loras", 8),
             max_rank=options.get("max_rank", 64),
             target_modules=options.get("target_modules"),
+            max_cpu_loras=options.get("max_cpu_loras"),
         )
         backend = cls(pool, cuda_graphs=bool(options.get("cuda_graphs", False)), inner=options.get("inner"))
         for name, source in adapters.items():
