@@ -9,6 +9,11 @@ class AdapterError(ValueError):
     """
 
 
+class NoFreeSlot(AdapterError):
+    """Every GPU slot of the adapter pool is read by calls in flight, for longer than a call
+    would wait: the message names the adapter and ``max_loras``."""
+
+
 class QuantizationError(ValueError):
     """The base model is quantised in a way fxlora cannot add LoRA onto, on a module LoRA
     targets; the message names the quantisation method and the module."""

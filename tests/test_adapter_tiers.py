@@ -144,3 +144,30 @@ def test_slots_from_a_memory_budget(model, many):
         fxlora.compile(model, adapters=chosen, max_loras=None, lora_memory=100, max_rank=8)
     with pytest.raises(ValueError, match="max_loras= or as lora_memory="):
         fxlora.compile(model, adapters=chosen, lora_memory=10**6)
+
+
+def test_the_host_tier_never_drops_the_adapter_it_is_loading(model, many, tmp_path):
+    torch._dynamo.reset()
+    cm = fxlora.compile(model, adapters={"m": many["ad00"]}, max_loras=1, max_cpu_loras=1, max_rank=8)
+    path = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]), seed=7, directory=str(tmp_path / "d"))
+    cm.load_adapter(path, adapter_name="d")  # one host place, held by "m" (in memory, never dropped)
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(9))
+    ref = reference_logits(model, peft_model_with(model, {"d": path}), ["d"], input_ids=ids)
+    torch.testing.assert_close(cm(input_ids=ids, adapter_names=["d"]).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_two_calls_waiting_for_one_adapter_place_it_once(model, many):
+    torch._dynamo.reset()
+    cm = fxlora.compile(model, adapters={k: many[k] for k in ("ad00", "ad04", "ad08")}, max_loras=1, max_rank=8)
+    held, _ = cm.pool.acquire(["ad00"])  # the one slot is read
+    results, threads = [], []
+    for _ in range(2):
+        threads.append(threading.Thread(target=lambda: results.append(cm.pool.acquire(["ad04"], timeout=30))))
+        threads[-1].start()
+    cm.pool.release(held)
+    for t in threads:
+        t.join(timeout=60)
+    assert [slots for slots, _ in results] == [[0], [0]] and cm.pool.slot_of == {"ad04": 0} and cm.pool._pins == [2]
+    for slots, _ in results:
+        cm.pool.release(slots)
+    assert cm.pool._pins == [0]

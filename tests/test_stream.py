@@ -213,3 +213,38 @@ def test_an_adapter_unloaded_while_serving_keeps_its_running_requests(served, tm
     model_ref = reference_generate(model, peft_model_with(model, {"late": late}), ["late"], torch.tensor([[6, 7, 8]]), None, 8, None, 0)
     assert running.generated == model_ref[0].tolist()
     assert done["refused"].finish_reason == "error" and "unknown adapter 'late'" in done["refused"].error
+
+
+def test_cancels_of_ids_not_in_flight_are_dropped_and_waiting_ones_end_at_once(served):
+    model, _, cm, requests, _ = served
+    engine = requests.engine
+    engine.cancel("later")  # not in flight: ignored, so a later request of that id runs
+    rows = engine.runner.max_rows
+    for i in range(rows + 1):  # one more than the rows: the last waits
+        engine.add(requests.make([5 + i, 6], "a", 8, request_id="later" if i == rows else f"c{i}", eos_token_id=()))
+    engine.forget(engine.step())
+    assert [s.request_id for s in engine.scheduler.waiting] == ["later"]
+    engine.cancel("later")
+    events = engine.step()
+    assert [(e.seq.request_id, e.seq.finish_reason) for e in events if e.finished][:1] == [("later", "cancelled")]
+    engine.forget(events)
+    done = drive(requests, {}, {})
+    assert sorted(done) == [f"c{i}" for i in range(rows)]
+
+
+def test_generate_batch_from_two_threads_each_gets_its_own(served):
+    model, _, cm, _, _ = served
+    prompts = [[[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]]]
+    outs = {}
+    threads = [
+        threading.Thread(target=lambda k=k: outs.__setitem__(k, cm.generate_batch(prompts[k], ["a", None], max_new_tokens=4,
+                                                                                eos_token_id=(), progress_bar=False)))  # fmt: skip
+        for k in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for k in range(2):
+        for prompt, name, out in zip(prompts[k], ["a", None], outs[k]):
+            assert out.generated_tokens == expected(served, prompt, name, 4, None)

@@ -24,7 +24,7 @@ import torch
 from fxlora.adapters import sharding
 from fxlora.adapters.peft_format import LoraAdapter, selects_module
 from fxlora.adapters.sharding import Sharding
-from fxlora.errors import AdapterError, NotServed, ShardingError
+from fxlora.errors import AdapterError, NoFreeSlot, NotServed, ShardingError
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -297,6 +297,7 @@ class AdapterPool:
         self._released = threading.Condition(self._lock)
         self._pins = [0] * max_loras
         self._draining: set[int] = set()
+        self._fences: dict[int, torch.cuda.Event] = {}  # per slot, the last use on the default stream (CUDA)
 
     # -- modules -------------------------------------------------------------------------
     def register_modules(self, modules: dict[str, ModuleInfo], complete: bool = False) -> None:
@@ -440,13 +441,15 @@ class AdapterPool:
         with self._lock:
             with sharding.one_outcome(group):
                 self._check_load(adapter)
-            self.adapters[adapter.name] = self._pinned(adapter)
+                adapter = self._pinned(adapter)
+            name = adapter.name
+            self.adapters[name] = adapter
             if reload is not None:
-                self._reload[adapter.name] = reload
-            self._keep_on_host(adapter.name)
+                self._reload[name] = reload
+            self._keep_on_host(name)
             slot = self._free_slot(evict=False) if self.max_loras else None  # (no slots yet: sized with the modules)
             if slot is not None:
-                self._place(adapter.name, slot)
+                self._place(name, slot)
         where = f"slot {slot}" if slot is not None else "the host tier (no free slot: it is paged in when a call names it)"
         log.info("loaded adapter %r into %s", adapter.name, where)
         return slot
@@ -454,8 +457,7 @@ class AdapterPool:
     def _pinned(self, adapter: LoraAdapter) -> LoraAdapter:
         """``adapter`` with its factors in pinned host memory, when the slots are on CUDA: copies
         to a slot are then asynchronous, and may run beside compute on a side stream."""
-        on_cuda = any(t.info.device.type == "cuda" for t in self.targets.values())
-        if not on_cuda or all(isinstance(f, _Dropped) or f.a.is_pinned() for f in adapter.modules.values()):
+        if not self._on_cuda() or all(isinstance(f, _Dropped) or f.a.is_pinned() for f in adapter.modules.values()):
             return adapter
         modules = {
             fqn: f if isinstance(f, _Dropped) else dataclasses.replace(f, a=f.a.cpu().pin_memory(), b=f.b.cpu().pin_memory())
@@ -465,20 +467,27 @@ class AdapterPool:
 
     def _keep_on_host(self, name: str) -> None:
         """``name`` was just used: the most recent of the host tier, whose oldest beyond
-        ``max_cpu_loras`` drop their factors if they can be read again."""
+        ``max_cpu_loras`` (never ``name`` itself) drop their factors if they can be read again."""
         self.host[name] = None
         self.host.move_to_end(name)
         if self.max_cpu_loras is None:
             return
-        for old in [n for n in self.host if n in self._reload][: max(0, len(self.host) - self.max_cpu_loras)]:
+        droppable = [n for n in self.host if n in self._reload and n != name]
+        for old in droppable[: max(0, len(self.host) - self.max_cpu_loras)]:
             del self.host[old]
             adapter = self.adapters[old]
             self.adapters[old] = dataclasses.replace(adapter, modules={k: _Dropped(f.kind) for k, f in adapter.modules.items()})
 
     def _factors(self, name: str) -> LoraAdapter:
-        """``name``'s factors, read again from its source if the host tier dropped them."""
+        """``name``'s factors, read again from its source (and checked again) if the host tier
+        dropped them."""
         if name not in self.host:
-            self.adapters[name] = self._pinned(self._reload[name]())
+            adapter = dataclasses.replace(self._reload[name](), name=name)
+            dropped = self.adapters[name]
+            if adapter.modules.keys() != dropped.modules.keys():
+                raise AdapterError(f"adapter {name!r} ({adapter.source}): its files changed since it was loaded")
+            self._check_load(adapter, again=True)
+            self.adapters[name] = self._pinned(adapter)
         self._keep_on_host(name)
         return self.adapters[name]
 
@@ -486,7 +495,7 @@ class AdapterPool:
         """A slot a new adapter may take: an empty one, else (with ``evict``) the least recently
         used one that no call reads (its adapter stays registered, on the host); None if none."""
         taken = set(self.slot_of.values())
-        empty = [s for s in range(self.max_loras) if s not in taken and s not in self._draining]
+        empty = [s for s in range(self.max_loras) if s not in taken and s not in self._draining and not self._pins[s]]
         if empty or not evict:
             return empty[0] if empty else None
         evictable = [s for s in taken if not self._pins[s]]
@@ -504,8 +513,9 @@ class AdapterPool:
         self._clock += 1
         self._used[slot] = self._clock
 
-    def _check_load(self, adapter: LoraAdapter) -> None:
-        """Check that ``adapter`` fits the pool and the model."""
+    def _check_load(self, adapter: LoraAdapter, again: bool = False) -> None:
+        """Check that ``adapter`` fits the pool and the model (``again``: it is loaded, and was
+        read again from its source)."""
         name = adapter.name
         unresolved = [fqn for fqn, f in adapter.modules.items() if f.kind == "parameter"]
         if unresolved:
@@ -513,7 +523,7 @@ class AdapterPool:
                 f"adapter {name!r} ({adapter.source}): target_parameters LoRA ({unresolved[0]!r}) needs the model to "
                 "tell which experts parameter it is: serve it with fxlora.compile(model, ...)"
             )
-        if name in self.adapters:
+        if name in self.adapters and not again:
             raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
         if adapter.max_rank > self.max_rank:
             worst = max(adapter.modules, key=lambda m: adapter.modules[m].rank)
@@ -525,7 +535,7 @@ class AdapterPool:
         for fqn in adapter.modules:
             if fqn in self.modules:
                 self._check_module(adapter, fqn, self.modules[fqn])
-                if fqn not in self.targets:
+                if fqn not in self.targets and not again:  # (read again, it is one: targets are being made)
                     raise AdapterError(
                         f"adapter {name!r} ({adapter.source}): module {fqn!r} was not compiled as a LoRA target; "
                         "name it in target_modules when compiling"
@@ -571,28 +581,33 @@ class AdapterPool:
                 for name in names:  # each pinned once placed, so that no other call evicts it meanwhile
                     if name in self.slot_of:
                         self.hits += 1
+                    elif self._wait_for_slot(name, timeout):  # another call placed it meanwhile
+                        self.hits += 1
                     else:
                         self.misses += 1
-                        self._place(name, self._wait_for_slot(name, timeout), stream)
+                        self._place(name, self._free_slot(), stream)
                     slot = self.slot_of[name]
                     self._pins[slot] += 1
                     pinned.append(slot)
                     self._clock += 1
                     self._used[slot] = self._clock
             except BaseException:
-                for slot in pinned:
-                    self._pins[slot] -= 1
+                self.release(pinned)
                 raise
             return self.slot_ids(adapter_names), self.modules_of(names)
 
-    def _wait_for_slot(self, name: str, timeout: float | None) -> int:
-        """A slot for ``name`` (under the lock), waiting up to ``timeout`` for a call to end."""
-        if not self._released.wait_for(lambda: self._free_slot() is not None, timeout):
-            raise AdapterError(
+    def _wait_for_slot(self, name: str, timeout: float | None) -> bool:
+        """Wait (under the lock) up to ``timeout`` for a slot ``name`` may take, or for ``name``
+        to be placed by another call (then True)."""
+        ready = lambda: name in self.slot_of or name not in self.adapters or self._free_slot() is not None  # noqa: E731
+        if not self._released.wait_for(ready, timeout):
+            raise NoFreeSlot(
                 f"adapter {name!r}: no GPU slot came free in {timeout} s: all max_loras={self.max_loras} slots are read "
                 "by calls in flight; compile with a larger max_loras= or wait for them"
             )
-        return self._free_slot()
+        if name not in self.adapters:
+            raise AdapterError(f"adapter {name!r} was unloaded while a call waited for a slot for it")
+        return name in self.slot_of
 
     def can_acquire(self, name: str | None) -> bool:
         """Whether :meth:`acquire` of ``name`` alone would find it a slot now, without waiting."""
@@ -604,17 +619,32 @@ class AdapterPool:
         with self._lock:
             for slot in set(slots) - {NO_ADAPTER}:
                 self._pins[slot] -= 1
+                self._fence(slot)  # the call's work that reads the slot was issued before this point
                 if not self._pins[slot] and slot in self._draining:
                     self._draining.discard(slot)
                     self._write(slot, None)
             self._released.notify_all()
 
+    def _fence(self, slot: int) -> None:
+        """Mark, on the current stream, the last work issued that reads or writes ``slot``: a
+        copy into it on another stream waits for that point, and for nothing else."""
+        if self._on_cuda():
+            self._fences[slot] = event = torch.cuda.Event()
+            event.record()
+
+    def _on_cuda(self) -> bool:
+        return any(t.info.device.type == "cuda" for t in self.targets.values())
+
     def _write(self, slot: int, adapter: LoraAdapter | None, stream: torch.cuda.Stream | None = None) -> None:
+        if stream is not None and slot in self._fences:
+            stream.wait_event(self._fences[slot])
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for target in self.targets.values():
                 target.write(slot, adapter)
             for group in self.groups.values():
                 group.refresh(slot)
+        if stream is None:
+            self._fence(slot)
 
     def slot_ids(self, adapter_names: Sequence[str | None]) -> list[int]:
         """Per-row slot ids of resident adapters; ``None`` rows get :data:`NO_ADAPTER`."""

@@ -47,6 +47,7 @@ class Engine:
     ):
         """``group``: the ranks of a tensor-parallel model, whose turns follow rank 0's plan."""
         self.runner, self.lock, self.group = runner, lock, group
+        self._plan_group = _host_group(group)
         self.stopped = False
         # adapters paged into GPU slots are copied on a stream of their own, beside the decode
         self._copies = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
@@ -58,11 +59,20 @@ class Engine:
         self._known: dict[str, Sequence] = {}  # every request added and not yet ended
         self._known_lock = threading.Lock()
         self._ids = itertools.count()
+        self._batches = itertools.count()
+        self.driver = threading.Lock()  # held by whoever turns the engine: a serving loop, or generate_batch
 
     def new_id(self) -> str:
         """A request id no other request of this engine has had."""
         with self._known_lock:
             return f"req_{next(self._ids)}"
+
+    def batch_ids(self, n: int) -> list[str]:
+        """Ids for the ``n`` requests of one ``generate_batch`` call: counted by calls, so the same
+        on every rank of a tensor-parallel model whatever requests rank 0 alone added."""
+        with self._known_lock:
+            batch = next(self._batches)
+        return [f"batch{batch}_{i}" for i in range(n)]
 
     # -- from any thread -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -73,6 +83,11 @@ class Engine:
         self._inbox.put(seq)
 
     def cancel(self, request_id: str) -> None:
+        """Cancel ``request_id`` at the next turn; an id not in flight is ignored (so that a later
+        request with that id is not cancelled)."""
+        with self._known_lock:
+            if request_id not in self._known:
+                return
         self._cancelled.put(request_id)
 
     def describe(self) -> list[str]:
@@ -142,12 +157,16 @@ class Engine:
             for seq in list(self.scheduler.running):
                 self.scheduler.retire(seq)
                 ended.append(seq)
-            self.runner.stop(list(range(self.runner.max_rows)))
             self._window = self._first = None
             for seq in ended:
                 if seq.status is not Status.FINISHED:
                     seq.finish(reason, error)
-        return [Event(seq, True) for seq in ended]
+            events = [Event(seq, True) for seq in ended]  # before any device work, which may fail after a device error
+            try:
+                self.runner.stop(list(range(self.runner.max_rows)))
+            except Exception:  # noqa: BLE001 - the requests have their ends; the device state is moot
+                log.exception("could not stop the rows on the device")
+        return events
 
     def _plan(self, stop: bool) -> Plan:
         """What this turn takes in: the requests added and cancelled since the last one, and
@@ -165,7 +184,7 @@ class Engine:
                 break
         if self.group is None:
             return plan
-        shared = plan.broadcast(self.group)
+        shared = plan.broadcast(self._plan_group)
         with self._known_lock:  # this rank's own requests give way to rank 0's, id for id
             for seq in shared.added:
                 self._known[seq.request_id] = seq
@@ -176,9 +195,7 @@ class Engine:
             self.scheduler.add(seq)
         if not plan.cancelled:
             return
-        for seq in self.scheduler.waiting:
-            if seq.request_id in plan.cancelled:
-                seq.cancel_requested = True  # ended at admission, in order
+        events += [Event(seq, True) for seq in self.scheduler.cancel_waiting(plan.cancelled)]
         ended = [seq for seq in self.scheduler.running if seq.request_id in plan.cancelled]
         self.runner.stop([seq.row for seq in ended])
         for seq in ended:
@@ -284,3 +301,15 @@ class Engine:
                 seq.row = i
         self.runner.move(sources, targets)
         self.runner.stop(list(range(len(self.scheduler.running), before)))  # rows a moved one left
+
+
+def _host_group(group: object) -> object:
+    """``group``'s ranks with a host backend, for the plan: a plan sent over NCCL would make
+    every turn wait for the device. Made on every rank, as the engine is."""
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    if dist.get_backend(group) != "nccl":
+        return group
+    return dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")

@@ -31,6 +31,7 @@ class Plan:
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        # (the engine sends plans over a host backend; NCCL works too, waiting for the device)
         source = dist.get_global_rank(group, 0)
         payload = json.dumps(self._encode()).encode() if dist.get_rank(group) == 0 else b""
         size = torch.tensor([len(payload)], dtype=torch.long, device=device)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 
 from fxlora.adapters import NO_ADAPTER, AdapterPool
-from fxlora.errors import AdapterError
+from fxlora.errors import AdapterError, NoFreeSlot
 from fxlora.runtime.block_allocator import BlockAllocator, blocks_for
 from fxlora.runtime.sequence import Sequence, Status
 
@@ -52,39 +52,49 @@ class Scheduler:
         admitted: list[Sequence] = []
         failed: list[Sequence] = []
         passed: list[Sequence] = []
+        try:
+            self._admit(copy_stream, admitted, failed, passed)
+        finally:  # whatever happened, every request is waiting, running or ended
+            self.waiting.extendleft(reversed(passed))  # back at the front, in their order
+            self.running += admitted
+        return admitted, failed
+
+    def _admit(self, copy_stream: object, admitted: list[Sequence], failed: list[Sequence], passed: list[Sequence]) -> None:
         tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_rows:
             seq = self.waiting[0]
-            if seq.cancel_requested:
-                self.waiting.popleft()
-                seq.finish("cancelled")
-                failed.append(seq)
-                continue
             need = blocks_for(seq.max_length, self.allocator.block_size)
             if admitted and tokens + len(seq.prompt_ids) > self.max_prefill_tokens:
                 break
             if not self.allocator.can_promise(need):
                 break
-            if seq.adapter_name is not None and seq.adapter_name in self.pool.adapters and not self.pool.can_acquire(seq.adapter_name):
-                if seq.passes >= ADAPTER_PASSES:
-                    break  # its wait is over: the requests behind it wait for it
-                seq.passes += 1
-                passed.append(self.waiting.popleft())
-                continue
             self.waiting.popleft()
             try:
                 (seq.slot,), _ = self.pool.acquire([seq.adapter_name], stream=copy_stream, timeout=0)
-            except AdapterError as e:
-                seq.finish("error", f"request {seq.request_id!r}: {e}")
+            except NoFreeSlot:  # every slot is read by running requests
+                if seq.passes >= ADAPTER_PASSES:
+                    self.waiting.appendleft(seq)
+                    break  # its wait is over: the requests behind it wait for it
+                seq.passes += 1
+                passed.append(seq)
+                continue
+            except Exception as e:  # noqa: BLE001 - it fails alone (its adapter gone, unreadable), naming why
+                seq.finish("error", f"request {seq.request_id!r}: {type(e).__name__}: {e}" if not isinstance(e, AdapterError)
+                           else f"request {seq.request_id!r}: {e}")  # fmt: skip
                 failed.append(seq)
                 continue
             self.allocator.promise(need)
             seq.reserved, seq.status = need, Status.RUNNING
             tokens += len(seq.prompt_ids)
             admitted.append(seq)
-        self.waiting.extendleft(reversed(passed))  # back at the front, in their order
-        self.running += admitted
-        return admitted, failed
+
+    def cancel_waiting(self, request_ids: set[str]) -> list[Sequence]:
+        """End the waiting requests of ``request_ids`` now."""
+        ended = [seq for seq in self.waiting if seq.request_id in request_ids]
+        for seq in ended:
+            self.waiting.remove(seq)
+            seq.finish("cancelled")
+        return ended
 
     def grow(self, seq: Sequence, tokens: int) -> list[tuple[int, int]]:
         """Blocks for ``seq`` to hold ``tokens`` tokens (at most its longest outcome), taken

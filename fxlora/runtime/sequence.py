@@ -75,7 +75,6 @@ class Sequence:
         self.unread = 0  # at most this many tokens it made on the device that the host has not read
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.cancel_requested = False
         self.passes = 0  # turns later requests went first while its adapter found no GPU slot
         self.created_time = time.perf_counter()
         self.first_token_time: float | None = None

@@ -202,9 +202,10 @@ def generate_batch(
     outputs: list[GenerationOutput | None] = [None] * n
     index: dict[str, int] = {}
     seqs = []
+    ids = requests.engine.batch_ids(n)  # the same on every rank of a tensor-parallel model
     for i, (prompt, name) in enumerate(zip(inputs, names)):
         kw = {**settings, **{k: v[i] for k, v in per_input.items()}}
-        request_id = requests.engine.new_id()
+        request_id = ids[i]
         try:
             seqs.append(requests.make(prompt, adapter_name=name, request_id=request_id, **kw))
             index[request_id] = i
@@ -226,21 +227,27 @@ def generate_batch(
                 bar.update()
             return outputs  # type: ignore[return-value]
         engine = requests.engine
-        for seq in seqs:
-            engine.add(seq)
-        try:
-            while len(index):
-                events = engine.step()
-                for event in events:
-                    i = index.pop(event.seq.request_id, None) if event.finished else None
-                    if i is not None:
-                        outputs[i] = event.seq.output()
-                        bar.update()
-                engine.forget(events)
-        except BaseException as e:
-            engine.forget(engine.fail_all("error", f"{type(e).__name__}: {e}"))
-            raise
+        with engine.driver:  # one caller of the engine's turns at a time: each gets its own events
+            _drive(engine, seqs, index, outputs, bar)
     return outputs  # type: ignore[return-value]
+
+
+def _drive(engine: Engine, seqs: list[Sequence], index: dict[str, int], outputs: list, bar: Any) -> None:
+    """Turn the engine until every request of ``index`` ended, its output in ``outputs``."""
+    for seq in seqs:
+        engine.add(seq)
+    try:
+        while index:
+            events = engine.step()
+            for event in events:
+                i = index.pop(event.seq.request_id, None) if event.finished else None
+                if i is not None:
+                    outputs[i] = event.seq.output()
+                    bar.update()
+            engine.forget(events)
+    except BaseException as e:
+        engine.forget(engine.fail_all("error", f"{type(e).__name__}: {e}"))
+        raise
 
 
 def _ids_or_empty(prompt: Any) -> list[int]:
@@ -267,6 +274,8 @@ class ServingManager:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closed = False  # the loop ended: no request is taken any more
+        self._claimed: dict[str, int] = {}  # request id -> callers waiting for it by id
         self.error: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -301,6 +310,10 @@ class ServingManager:
         return self.engine.group is None or torch.distributed.get_rank(self.engine.group) == 0
 
     def _loop(self) -> None:
+        with self.engine.driver:  # the one caller of the engine's turns while it serves
+            self._serve()
+
+    def _serve(self) -> None:
         try:
             while not self.engine.stopped:
                 if self.is_driver and not self.engine.has_work and not self._stop.is_set():
@@ -312,9 +325,16 @@ class ServingManager:
         except BaseException as e:  # noqa: BLE001 - every request in flight hears of it, and later calls raise it
             self.error = e
             log.exception("the serving loop stopped")
+            self._close()
             self._deliver(self.engine.fail_all("error", f"the serving loop stopped: {type(e).__name__}: {e}"))
             return
+        self._close()
         self._deliver(self.engine.fail_all("cancelled"))
+
+    def _close(self) -> None:
+        with self._changed:  # from here on add() refuses: nothing waits in the inbox unserved
+            self._closed = True
+            self._changed.notify_all()
 
     def _deliver(self, events: list[Event]) -> None:
         if not events:
@@ -354,6 +374,8 @@ class ServingManager:
     def add(self, seq: Sequence) -> None:
         """Queue a checked request (:meth:`Requests.make`)."""
         with self._changed:
+            if self._closed or self._stop.is_set():
+                raise RuntimeError("the serving loop is stopping: the request is not taken")
             if seq.request_id in self._results:
                 raise ValueError(f"request {seq.request_id!r}: the id is in use by a result not read yet")
             self.engine.add(seq)
@@ -393,14 +415,24 @@ class ServingManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._changed:
-                unknown = request_id is not None and request_id not in self._results and not self.engine.knows(request_id)
-                if unknown and self.is_driver:  # on the other ranks, rank 0's requests are on their way
-                    raise KeyError(f"no request {request_id!r}: unknown, or its result was already read")
-                while (out := self._next(request_id, partial)) is None:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        return
-                    self._changed.wait(left)
+                if request_id is not None:
+                    self._claimed[request_id] = self._claimed.get(request_id, 0) + 1
+                try:
+                    while (out := self._next(request_id, partial)) is None:
+                        if request_id is not None and request_id not in self._results and not self.engine.knows(request_id):
+                            if self.is_driver or self._closed:  # (on the other ranks, rank 0's requests are on their way)
+                                raise KeyError(f"no request {request_id!r}: unknown, or its result was already read")
+                        if self._closed and not (self._order if request_id is None else self._results.get(request_id)):
+                            return  # the loop ended, and nothing more comes
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            return
+                        self._changed.wait(left)
+                finally:
+                    if request_id is not None:
+                        self._claimed[request_id] -= 1
+                        if not self._claimed[request_id]:
+                            del self._claimed[request_id]
             yield out
             if out.is_finished():
                 return
@@ -408,10 +440,10 @@ class ServingManager:
     def _next(self, request_id: str | None, partial: bool) -> GenerationOutput | None:
         """The next result to hand out (under the lock): the oldest finished one, or the
         request's next partial (with ``partial``) or its final one."""
-        if request_id is None:
-            if not self._order:
+        if request_id is None:  # the oldest finished result no caller waits for by id
+            request_id = next((r for r in self._order if r not in self._claimed), None)
+            if request_id is None:
                 return None
-            request_id = self._order[0]
         results = self._results.get(request_id)
         while results:
             out = results.pop(0)
