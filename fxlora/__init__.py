@@ -11,6 +11,7 @@ from fxlora.errors import (
     AdapterWarning,
     GenerationConfigError,
     LoraNotRunError,
+    NoFreeSlot,
     QuantizationError,
     ShardingError,
 )
@@ -19,5 +20,5 @@ from fxlora.runtime import use_adapters
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdapterError", "AdapterWarning", "CompiledModel", "GenerationConfigError", "LoraNotRunError", "QuantizationError", "ShardingError", "compile", "use_adapters",
+    "AdapterError", "AdapterWarning", "CompiledModel", "GenerationConfigError", "LoraNotRunError", "NoFreeSlot", "QuantizationError", "ShardingError", "compile", "use_adapters",
 ]
