@@ -120,6 +120,14 @@ def main(argv: list[str] | None = None) -> None:
         for i, (name, row) in enumerate(zip(names, generated.tolist())):
             print(f"{i:>3}  {str(name):<8} {row}")
 
+        # the same prompts as a stream of requests, each its own length limit: they join and leave the batch
+        prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        lengths = [new - i % 3 for i in range(len(prompts))]
+        results = cm.generate_batch(prompts, names, max_new_tokens=lengths, eos_token_id=(), progress_bar=False)
+        streamed = all(r.generated_tokens == w[:n].tolist() for r, w, n in zip(results, wanted, lengths))
+        print(f"generate_batch (continuous batching, {len(prompts)} requests of {min(lengths)}-{max(lengths)} tokens): "
+              f"{'every request equals' if streamed else 'requests differ from'} PEFT's generate")  # fmt: skip
+
         timings = {
             "fxlora, mixed batch": _time(lambda: cm(**inputs, adapter_names=names), args.repeats),
             "PEFT, one adapter at a time": _time(lambda: reference_logits(model, peft_model, names, **inputs), args.repeats),
@@ -132,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         worst = max(errors)
         if worst > fxlora.testing.RTOL[torch.float32]:
             raise SystemExit(f"error {worst:.2e} exceeds the float32 tolerance")
-        if not all(same):
+        if not all(same) or not streamed:
             raise SystemExit("generated tokens differ from PEFT's")
 
 
