@@ -24,7 +24,7 @@ import triton
 import triton.testing
 from decode import copy_bandwidth, environment
 
-from fxlora.ops.triton import decode_attention as kernel
+from fxlora.kernels import decode_attention as kernel
 
 HEADS, KV_HEADS, DIM = 32, 8, 64
 CASES = [(1, 512, 528), (32, 512, 528), (128, 512, 528), (32, 2048, 4096), (128, 2048, 4096)]

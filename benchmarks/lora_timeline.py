@@ -23,9 +23,9 @@ import triton.language as tl
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
+from fxlora.kernels import bgmv, sgmv
 from fxlora.ops import batch_info
 from fxlora.ops.lora_linear import lora_linear_triton
-from fxlora.ops.triton import bgmv, sgmv
 
 
 @triton.jit

@@ -3,7 +3,7 @@
     python benchmarks/lora_tune.py [sgmv] [bgmv] [switch] [in_context] [expand_in_context]
 
 Times each kernel alone inside a CUDA graph (median, microseconds), so the entries of the
-launch table (``fxlora/ops/triton/launch_table.py``) for this device can be chosen from
+launch table (``fxlora/kernels/launch_table.py``) for this device can be chosen from
 measurements. ``switch`` times the whole op as ``lora_linear`` runs it on CUDA with
 either family's expand, to place the token count where one hands over to the other;
 ``in_context`` the shrink's parameters inside that op, where it shares SMs with the GEMM;
@@ -18,8 +18,8 @@ import sys
 import torch
 import triton.testing
 
+from fxlora.kernels import bgmv, sgmv
 from fxlora.ops import batch_info
-from fxlora.ops.triton import bgmv, sgmv
 
 SGMV_CASES = [  # (tokens, K, slice widths, rank, adapters)
     (256, 4096, (4096,), 16, 16),

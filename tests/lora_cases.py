@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from fxlora.ops import LoraWeights
 from fxlora.ops.batch_info import fast_token_segments, token_segments
-from fxlora.ops.lora_delta import lora_workspace, sliced_delta_reference
+from fxlora.ops.delta_launcher import lora_workspace
+from fxlora.ops.lora_delta import sliced_delta_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}

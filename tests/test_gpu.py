@@ -10,7 +10,8 @@ from peft import LoraConfig
 
 import fxlora
 from fxlora.ops import LoraWeights, batch_info, lora_embedding, lora_linear, lora_linear_fused
-from fxlora.ops.lora_delta import lora_delta_reference, lora_workspace
+from fxlora.ops.delta_launcher import lora_workspace
+from fxlora.ops.lora_delta import lora_delta_reference
 from fxlora.ops.lora_linear import lora_linear_triton
 from fxlora.testing import assert_matches_peft, lora_module_names, make_adapter, tiny_model
 

@@ -112,7 +112,7 @@ def test_compact_segments_of_a_large_pool(slots, num_slots, one_per_slot):
 def test_slot_sort_matches_definition(rows, per_row, num_slots, dtype, data):
     """The one-launch Triton prologue, with pools smaller and larger than the batch, and a list
     of the fewest entries or of one per slot (``fxlora::batch_info``'s, longer than the block)."""
-    slot_sort = pytest.importorskip("fxlora.ops.triton.slot_sort")
+    slot_sort = pytest.importorskip("fxlora.kernels.slot_sort")
     top = data.draw(st.sampled_from([1, 3, num_slots]), label="distinct slots at most")
     slots = data.draw(st.lists(st.integers(-1, min(top, num_slots) - 1), min_size=rows, max_size=rows))
     entries = data.draw(st.sampled_from([None, num_slots]), label="entries")
@@ -124,13 +124,13 @@ def test_slot_sort_matches_definition(rows, per_row, num_slots, dtype, data):
 
 def test_slot_sort_without_adapters():
     """No token with an adapter: a list of empty entries that still starts at 0."""
-    slot_sort = pytest.importorskip("fxlora.ops.triton.slot_sort")
+    slot_sort = pytest.importorskip("fxlora.kernels.slot_sort")
     out = slot_sort.slot_sort(torch.full((70,), -1, dtype=torch.int64, device=DEVICE), 1, 100)
     assert [t.tolist() for t in out] == [[-1] * 70, list(range(70)), [0] * 70, [0] * 70, [0] * 70]
 
 
 def test_slot_sort_names_its_limit():
-    slot_sort = pytest.importorskip("fxlora.ops.triton.slot_sort")
+    slot_sort = pytest.importorskip("fxlora.kernels.slot_sort")
     with pytest.raises(ValueError, match=f"1 to {slot_sort.MAX_TOKENS} tokens, not {slot_sort.MAX_TOKENS + 1}"):
         slot_sort.slot_sort(torch.zeros(slot_sort.MAX_TOKENS + 1, dtype=torch.int32), 1, 4)
     with pytest.raises(ValueError, match="a segment list of 2 entries cannot hold 3 tokens of 4 slots"):

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lora_cases import draw_case, ptx_memory_ops
 
-bgmv = pytest.importorskip("fxlora.ops.triton.bgmv")
-sgmv = pytest.importorskip("fxlora.ops.triton.sgmv")
+bgmv = pytest.importorskip("fxlora.kernels.bgmv")
+sgmv = pytest.importorskip("fxlora.kernels.sgmv")
 
 
 @settings(max_examples=60)
@@ -29,6 +29,6 @@ def test_expand_moves_whole_words():
     signature.update(dict.fromkeys(["rank_ptr", "slice_start_ptr", "slot_ptr"], "*i32"))
     signature.update(dict.fromkeys(["y_off1", "y_off2", "y_off3", "stride_y0", "stride_y1", "stride_y2", "stride_y3", "stride_vt", "stride_bs", "stride_bn"], "i32"))
     constexprs = dict(MAX_RANK=16, NUM_SLICES=3, BLOCK_N=128, BLOCK_R=16, ALIGN=sgmv.column_align((4096, 1024, 1024)), PDL=True)
-    ops = ptx_memory_ops("fxlora.ops.triton.bgmv", "_expand_kernel", signature, constexprs, num_warps=2)
+    ops = ptx_memory_ops("fxlora.kernels.bgmv", "_expand_kernel", signature, constexprs, num_warps=2)
     assert not any(op.endswith((".b16", ".b8")) for op in ops), ops
     assert ops.get("ld.global.v4.b32", 0) > 0, ops

@@ -13,7 +13,7 @@ from lora_cases import TOL
 
 from fxlora.ops.decode_attention import decode_attention, decode_attention_reference
 
-kernel = pytest.importorskip("fxlora.ops.triton.decode_attention")
+kernel = pytest.importorskip("fxlora.kernels.decode_attention")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.float32, torch.float16, torch.bfloat16]
 

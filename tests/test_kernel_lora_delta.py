@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lora_cases import DEVICE, TOL, make_case, multi_slice, nan_workspace, per_token
 
+from fxlora.kernels import sgmv
 from fxlora.ops import BatchInfo, LoraWeights, batch_info, lora_delta
-from fxlora.ops.lora_delta import lora_workspace
-from fxlora.ops.triton import sgmv
+from fxlora.ops.delta_launcher import lora_workspace
 
 
 def draw_members(data, gen, d_in, widths, max_rank, num_slots, dtype):
@@ -126,8 +126,8 @@ def test_inductor_compiles_a_graph_with_lora_delta():
     data=st.data(),
 )
 def test_triton_implementation_matches_the_reference(per_row, max_rank, rows, widths, dtype, data):
+    from fxlora.kernels import bgmv
     from fxlora.ops.lora_delta import lora_delta_triton
-    from fxlora.ops.triton import bgmv
 
     assert bgmv.serves(rows * per_row, max_rank) == (per_row == 1)
     num_slots, d_in = 3, 24

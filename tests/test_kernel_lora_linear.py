@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from lora_cases import DEVICE, TOL, make_case, multi_slice, nan_workspace, per_token
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxlora.kernels import sgmv
 from fxlora.ops import BatchInfo, LoraWeights, batch_info, lora_linear, lora_linear_fused
-from fxlora.ops.lora_delta import lora_workspace
-from fxlora.ops.triton import sgmv
+from fxlora.ops.delta_launcher import lora_workspace
 
 
 @given(
@@ -152,8 +152,8 @@ def test_a_strided_size_one_dimension_is_one_gemm_not_a_bmm():
     data=st.data(),
 )
 def test_triton_implementations_match_the_references(per_row, max_rank, rows, widths, dtype, data):
+    from fxlora.kernels import bgmv
     from fxlora.ops.lora_linear import lora_linear_fused_triton, lora_linear_triton
-    from fxlora.ops.triton import bgmv
 
     assert bgmv.serves(rows * per_row, max_rank) == (per_row == 1)
     num_slots, d_in = 3, 24

@@ -13,11 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lora_cases import TOL, draw_case, nan_workspace, pool_factors, reference
 
+from fxlora.kernels import sgmv
 from fxlora.ops import lora_shrink
 from fxlora.ops.batch_info import token_segments
-from fxlora.ops.lora_delta import lora_delta_triton, lora_workspace
+from fxlora.ops.delta_launcher import lora_workspace
+from fxlora.ops.lora_delta import lora_delta_triton
 from fxlora.ops.lora_shrink import lora_shrink_triton
-from fxlora.ops.triton import sgmv
 
 needs_triton = pytest.mark.skipif(sgmv is None, reason="needs Triton")
 

@@ -17,7 +17,7 @@ from lora_cases import nan_workspace
 from fxlora.ops import batch_info
 from fxlora.ops.moe_lora import GATES, moe_lora, moe_lora_composed
 
-pytest.importorskip("fxlora.ops.triton.sgmv")
+pytest.importorskip("fxlora.kernels.sgmv")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float16: dict(rtol=2e-2, atol=2e-2), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}

@@ -21,7 +21,7 @@ from fxlora.ops.paged_attention import (
     paged_decode_attention_triton,
 )
 
-kernel = pytest.importorskip("fxlora.ops.triton.decode_attention")
+kernel = pytest.importorskip("fxlora.kernels.decode_attention")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.float32, torch.float16, torch.bfloat16]
 MASKED = torch.finfo(torch.float32).min

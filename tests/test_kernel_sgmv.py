@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lora_cases import draw_case, ptx_memory_ops
 
-sgmv = pytest.importorskip("fxlora.ops.triton.sgmv")
+sgmv = pytest.importorskip("fxlora.kernels.sgmv")
 
 
 @settings(max_examples=60)
@@ -85,7 +85,7 @@ def test_expand_moves_16_bytes_at_a_time():
         MAX_RANK=16, NUM_SLICES=3, SEGS_P2=4, BLOCK_M=32, BLOCK_N=64, BLOCK_R=16, TILES=4, STAGES=2,
         ALIGN=sgmv.column_align((4096, 1024, 1024)), IEEE=False, PDL=True, ROWS_LAST=False,
     )
-    ops = ptx_memory_ops("fxlora.ops.triton.sgmv", "_expand_kernel", signature, constexprs)
+    ops = ptx_memory_ops("fxlora.kernels.sgmv", "_expand_kernel", signature, constexprs)
     assert not any(op.endswith((".b16", ".b8")) for op in ops), ops
     assert ops.get("cp.async.cg", 0) + ops.get("ld.global.v4.b32", 0) > 0 and ops.get("st.global.v4.b32", 0) > 0, ops
 
@@ -104,7 +104,7 @@ def test_shrink_moves_16_bytes_at_a_time(tokens, segs):
         SPLIT_K=cfg.split_k, IEEE=False, ROWS_LAST=cfg.rows_last,
     )
     ops = ptx_memory_ops(
-        "fxlora.ops.triton.sgmv", "_shrink_kernel", signature, constexprs, cfg.num_warps, cfg.num_stages, ("K", "RANKS")
+        "fxlora.kernels.sgmv", "_shrink_kernel", signature, constexprs, cfg.num_warps, cfg.num_stages, ("K", "RANKS")
     )
     assert set(ops) <= {"cp.async.cg", "ld.global.b32", "ld.global.v4.b32"}, ops
     assert ops.get("cp.async.cg", 0) + ops.get("ld.global.v4.b32", 0) > 0, ops

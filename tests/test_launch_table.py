@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fxlora.ops.triton import launch_table
+from fxlora.kernels import launch_table
 
 SHRINK_KINDS = {  # block_m, block_k, num_warps, block_r, num_stages, rows_last
     "a": (16, 256, 2, 32, 1, True),

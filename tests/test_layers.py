@@ -14,15 +14,16 @@ ROOT = Path(fxlora.__file__).parent
 # and do not import each other.
 LAYERS = {
     "errors": 0,
-    "ops": 1,
-    "adapters": 1,
-    "compiler": 2,
-    "runtime": 3,
-    "compiled": 4,
-    "__init__": 5,  # the public API
-    "testing": 6,  # users of the public API
-    "demo": 7,  # the demo uses the testing helpers
-    "__main__": 7,
+    "kernels": 1,  # the Triton kernels and their launchers
+    "ops": 2,  # the fxlora:: ops over them
+    "adapters": 2,
+    "compiler": 3,
+    "runtime": 4,
+    "compiled": 5,
+    "__init__": 6,  # the public API
+    "testing": 7,  # users of the public API
+    "demo": 8,  # the demo uses the testing helpers
+    "__main__": 8,
 }
 
 

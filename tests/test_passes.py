@@ -227,7 +227,7 @@ def test_fuse_leaves_linears_a_graph_already_reads_alone():
 
 
 def test_fused_groups_fit_the_expands():
-    sgmv = pytest.importorskip("fxlora.ops.triton.sgmv")
+    sgmv = pytest.importorskip("fxlora.kernels.sgmv")
     assert MAX_MEMBERS == sgmv.MAX_SLICES
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fxlora.ops.lora_delta import lora_workspace
+from fxlora.ops.delta_launcher import lora_workspace
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+import fxlora.kernels
 import fxlora.ops
 from fxlora.compiler import progress, regions
 from fxlora.compiler.arena import WORKSPACES
@@ -46,9 +47,10 @@ log = logging.getLogger(__name__)
 
 @cache
 def ops_digest() -> bytes:
-    """A hash of the sources of fxlora's ops: their fakes, references and kernels."""
-    root = Path(fxlora.ops.__file__).parent
-    return get_hash_for_files(tuple(str(p) for p in sorted(root.rglob("*.py"))))
+    """A hash of the sources of fxlora's ops and of the kernels they launch: their fakes,
+    references and kernels."""
+    roots = (Path(fxlora.ops.__file__).parent, Path(fxlora.kernels.__file__).parent)
+    return get_hash_for_files(tuple(str(p) for root in roots for p in sorted(root.rglob("*.py"))))
 
 
 class OpsSalt(CustomGraphPass):

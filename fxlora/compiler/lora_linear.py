@@ -34,7 +34,7 @@ from fxlora.compiler.graph_edit import (
     replace_with,
 )
 from fxlora.errors import NotServed
-from fxlora.ops.lora_delta import lora_workspace
+from fxlora.ops.delta_launcher import lora_workspace
 
 
 def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -1,13 +1,16 @@
-"""Custom ops (namespace ``fxlora::``), one file per op: each with a fake implementation for
-tracing, a PyTorch reference implementation (the oracle in tests) and, on CUDA, an
-implementation over the Triton kernels of :mod:`fxlora.ops.triton`. The bottom layer beside
-:mod:`fxlora.adapters`: nothing here imports the compiler, the runtime or the façade.
+"""Custom ops (namespace ``fxlora::``), one file per op: each with its schema, a fake
+implementation for tracing, a PyTorch reference implementation (the oracle in tests) and, on
+CUDA, an implementation over the Triton kernels of :mod:`fxlora.kernels`. The linear LoRA ops
+share their CUDA dispatch, the shrink and expand around a base (:mod:`fxlora.ops.delta_launcher`).
+Above the kernels, beside :mod:`fxlora.adapters`: nothing here imports the compiler, the
+passes, the runtime or the façade.
 
 Operands travel in bundles (:mod:`fxlora.ops.operands`): a target's factors as one
 ``Tensor[]`` (:class:`LoraWeights`), its tokens' batch metadata as another
 (:class:`BatchInfo`), so every LoRA op's signature is its base operands, those two bundles
 and its scratch. Adding an op touches its file here (op, fake, reference, CUDA dispatch),
-its pass in :mod:`fxlora.compiler` (which builds the bundles with ``pool_nodes`` and
+its kernel in :mod:`fxlora.kernels` if it has one of its own, its pass in
+:mod:`fxlora.passes` (which builds the bundles with the compiler's ``pool_nodes`` and
 ``batch_info_for``), and one test on each side: ``tests/test_kernel_<op>.py`` against its
 reference, and a pass test on a graph.
 """

@@ -18,7 +18,7 @@ Every LoRA op of a graph reads the same metadata, computed once per token layout
 
 That is the reference, a dozen or two small ATen kernels. On CUDA a batch of up to
 ``slot_sort.MAX_TOKENS`` tokens takes one Triton launch instead, which always builds the
-compact list (:mod:`fxlora.ops.triton.slot_sort`).
+compact list (:mod:`fxlora.kernels.slot_sort`).
 
 All outputs have shapes fixed by the token count and the number of slots, never by which
 adapters are present, so the prologue can be captured in a CUDA graph and replayed with
@@ -34,7 +34,7 @@ import math
 import torch
 
 from fxlora.errors import AdapterError
-from fxlora.ops.triton import slot_sort
+from fxlora.kernels import slot_sort
 
 
 def _token_count(tokens: torch.Tensor, feature_dims: int) -> int:

@@ -5,7 +5,7 @@ It computes what transformers' SDPA attention computes at a decode step,
 ``scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask, scale=scale)``,
 without expanding the cached keys and values to the query heads: query head ``h`` reads KV
 head ``h // (heads / kv_heads)``, as ``repeat_kv`` lays them out. On CUDA the Triton kernel of
-:mod:`fxlora.ops.triton.decode_attention` skips cache blocks the mask hides from a row;
+:mod:`fxlora.kernels.decode_attention` skips cache blocks the mask hides from a row;
 elsewhere the reference is that SDPA call itself. A row whose mask hides every cache
 column (an unused row of a batch bucket) reads zeros from the kernel, where SDPA would
 average every column.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxlora.ops.triton import decode_attention as kernel
+from fxlora.kernels import decode_attention as kernel
 
 
 def decode_attention_reference(

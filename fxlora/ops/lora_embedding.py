@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fxlora.kernels import sgmv
 from fxlora.ops.batch_info import slot_groups
 from fxlora.ops.operands import BatchInfo, LoraWeights
-from fxlora.ops.triton import sgmv
 
 
 def lora_embedding_delta_reference(

@@ -6,8 +6,8 @@ The delta is added in place into the base output. Tokens without an adapter, and
 that do not touch this module (rank 0), cost nothing.
 
 On CUDA the base GEMM stays ``F.linear`` (cuBLAS) and the delta comes from the Triton SGMV
-kernels (:mod:`fxlora.ops.triton.sgmv`; for a handful of tokens the expand of
-:mod:`fxlora.ops.triton.bgmv`), launched by :func:`fxlora.ops.lora_delta.with_lora_delta`;
+kernels (:mod:`fxlora.kernels.sgmv`; for a handful of tokens the expand of
+:mod:`fxlora.kernels.bgmv`), launched by :func:`fxlora.ops.delta_launcher.with_lora_delta`;
 elsewhere from :func:`fxlora.ops.lora_delta.lora_delta_reference`.
 
 ``fxlora::lora_linear_fused`` serves several linears that read the same input (q, k and v;
@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxlora.ops.lora_delta import lora_delta_reference, lora_workspace, sliced_delta_reference, with_lora_delta
+from fxlora.kernels import sgmv
+from fxlora.ops.delta_launcher import lora_workspace, with_lora_delta
+from fxlora.ops.lora_delta import lora_delta_reference, sliced_delta_reference
 from fxlora.ops.operands import BatchInfo, LoraWeights
-from fxlora.ops.triton import sgmv
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -45,7 +46,7 @@ def lora_linear(
     workspace: torch.Tensor,
 ) -> torch.Tensor:
     """``lora``: the factors (:class:`LoraWeights`); ``batch``: the tokens' metadata
-    (:class:`BatchInfo`); ``workspace`` (from :func:`fxlora.ops.lora_delta.lora_workspace`) is scratch the CUDA
+    (:class:`BatchInfo`); ``workspace`` (from :func:`fxlora.ops.delta_launcher.lora_workspace`) is scratch the CUDA
     kernel writes the shrink result into."""
     weights, info = LoraWeights(*lora), BatchInfo(*batch)
     y = _linear(x, weight, bias)
@@ -63,8 +64,8 @@ def lora_linear_triton(
     overlap: bool = True,
     slice_widths: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """The CUDA implementation: the SGMV kernels of :mod:`fxlora.ops.triton.sgmv`, with the
-    per-token expand of :mod:`fxlora.ops.triton.bgmv` for few tokens (``bgmv.serves``). With
+    """The CUDA implementation: the SGMV kernels of :mod:`fxlora.kernels.sgmv`, with the
+    per-token expand of :mod:`fxlora.kernels.bgmv` for few tokens (``bgmv.serves``). With
     ``overlap``, while a CUDA graph is captured, the shrink (which reads only ``x``) runs on a
     side stream beside the base GEMM: the fork and join become parallel branches of the graph,
     so the shrink's time hides behind the GEMM (called eagerly the op stays on one stream, see

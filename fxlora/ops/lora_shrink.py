@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from fxlora.kernels import sgmv
 from fxlora.ops.batch_info import slot_groups
-from fxlora.ops.lora_delta import capturing, fork, kernel_rows, on_side_stream, shrink_into
+from fxlora.ops.delta_launcher import capturing, fork, kernel_rows, on_side_stream, shrink_into
 from fxlora.ops.operands import BatchInfo, LoraWeights
-from fxlora.ops.triton import sgmv
 
 
 @torch.library.custom_op("fxlora::lora_shrink", mutates_args=("workspace",))
@@ -35,7 +35,7 @@ def lora_shrink(
     x: torch.Tensor, lora: list[torch.Tensor], batch: list[torch.Tensor], workspace: torch.Tensor, slices: int
 ) -> None:
     """Write the shrink of ``x`` (``(..., in)``) into ``workspace`` (from
-    :func:`fxlora.ops.lora_delta.lora_workspace`); ``lora`` (:class:`LoraWeights`) holds
+    :func:`fxlora.ops.delta_launcher.lora_workspace`); ``lora`` (:class:`LoraWeights`) holds
     ``slices`` slices. The reference: each slot's tokens and slices, as PEFT multiplies."""
     lora_a, _, _, rank = LoraWeights(*lora)
     x2 = x.reshape(-1, x.shape[-1])

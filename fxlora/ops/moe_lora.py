@@ -49,11 +49,11 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from fxlora.kernels import sgmv
 from fxlora.ops.batch_info import slot_groups
+from fxlora.ops.delta_launcher import lora_workspace
 from fxlora.ops.grouped_mm import traceable_grouped_mm
-from fxlora.ops.lora_delta import lora_workspace
 from fxlora.ops.operands import LoraWeights, optional_weights
-from fxlora.ops.triton import sgmv
 
 GATES = ("glu", "glu_clamped", "glu_interleaved_clamped", "glu_concatenated_clamped", "glu_softcapped", "act")
 

@@ -12,7 +12,7 @@ attention on the pages, without gathering them.
 
 ``paged_decode_attention`` is that attention: ``fxlora::decode_attention`` over the gathered
 keys and values (its reference gathers them), computed on CUDA by the same Triton kernel
-(:mod:`fxlora.ops.triton.decode_attention`) reading each column through the block table.
+(:mod:`fxlora.kernels.decode_attention`) reading each column through the block table.
 The kernel reads no page for a column the mask hides, so a row's unused table entries may
 name any block; a row whose mask hides every column reads zeros.
 """
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from fxlora.kernels import decode_attention as kernel
 from fxlora.ops.decode_attention import additive, decode_attention_reference
-from fxlora.ops.triton import decode_attention as kernel
 
 
 def gather_pages_reference(pages: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

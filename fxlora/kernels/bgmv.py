@@ -3,11 +3,11 @@
 With very few tokens the expand after the base GEMM is bound by the latency of its chain of
 dependent loads, not by bytes. This kernel gives every program one token and lets it read its
 adapter straight from ``token_slot`` (as Punica's BGMV does), where the segmented expand of
-:mod:`fxlora.ops.triton.sgmv` first walks the segment table:
+:mod:`fxlora.kernels.sgmv` first walks the segment table:
 ``y[t, cols] += scaling[s] * B[s, cols] @ v[t]`` in place, ``v`` from the SGMV shrink.
 
 Multi-slice layout (``B`` stacking each slice's output rows, ``scaling`` / ``rank`` one value
-per (slot, slice)) as in :mod:`fxlora.ops.triton.sgmv`. Tokens without an adapter are not touched.
+per (slot, slice)) as in :mod:`fxlora.kernels.sgmv`. Tokens without an adapter are not touched.
 
 On Hopper and later the expand is launched as a programmatic dependent of the kernel before
 it (the base GEMM): it loads its token's slot and ``B`` while that kernel finishes, then waits
@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from fxlora.ops.triton import launch_table
-from fxlora.ops.triton.launch_table import TokenExpandConfig as ExpandConfig
-from fxlora.ops.triton.sgmv import (
+from fxlora.kernels import launch_table
+from fxlora.kernels.launch_table import TokenExpandConfig as ExpandConfig
+from fxlora.kernels.sgmv import (
     b_columns,
     column_align,
     output_slices,

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxlora.ops.triton.launch_table import cdiv, next_power_of_2
+from fxlora.kernels.launch_table import cdiv, next_power_of_2
 
 BLOCK_N = 128  # cache columns per step of a program
 STAGES = 2  # blocks of keys and values in flight per program (the loop's software pipeline)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxlora.ops.triton.launch_table import next_power_of_2
+from fxlora.kernels.launch_table import next_power_of_2
 
 #: the most tokens one program sorts; larger batches take the ATen ops
 MAX_TOKENS = 2048

@@ -31,7 +31,7 @@ On Hopper and later the expand is launched as a programmatic dependent (PDL) of 
 before it, so its launch overlaps that kernel's tail; it waits for it (``gdc_wait``) before
 reading anything.
 
-Launch parameters come from :mod:`fxlora.ops.triton.launch_table`, per device and shape class.
+Launch parameters come from :mod:`fxlora.kernels.launch_table`, per device and shape class.
 
 Graph safety: the grids are sized for the worst case — ``cdiv(T, BLOCK_M)`` plus one per
 entry of the segment list they read — and a program with nothing to do (past its segment, a
@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from fxlora.ops.triton.launch_table import (
+from fxlora.kernels.launch_table import (
     ExpandConfig,
     ShrinkConfig,
     cdiv,
