@@ -153,6 +153,7 @@ def test_bad_requests_are_refused_by_name(served):
         (dict(input_ids=[5], max_new_tokens=2, do_sample=True, top_p=1.5), fxlora.GenerationConfigError, "top_p"),
         (dict(input_ids=[5], max_new_tokens=2, repetition_penalty=1.2), fxlora.GenerationConfigError, "repetition_penalty"),
         (dict(input_ids=[5], max_new_tokens=2, seed=1.5), TypeError, "seed must be an int"),
+        (dict(input_ids=[5], adapter_names=["a"]), TypeError, "unexpected keyword adapter_names=.*adapter_name="),
     ]
     for kwargs, error, fragment in cases:
         with pytest.raises(error, match=fragment) as info:

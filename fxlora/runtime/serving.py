@@ -30,6 +30,7 @@ from fxlora.runtime.engine import Engine, Event
 from fxlora.runtime.generation_config import resolve
 from fxlora.runtime.kv_cache import probe_shapes
 from fxlora.runtime.paged_cache import PagedKVCache
+from fxlora.runtime.routing import check_adapter_keywords
 from fxlora.runtime.runner import MAX_EOS, StreamRunner
 from fxlora.runtime.sequence import Decoding, GenerationOutput, Sequence
 
@@ -114,6 +115,7 @@ class Requests:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         try:
+            check_adapter_keywords(settings, (), "A request names its adapter as adapter_name= (generate_batch: adapter_names=)")
             prompt = _prompt(input_ids, self.vocab_size)
             if stop_token_ids is not None:
                 if settings.get("eos_token_id") is not None:
