@@ -23,9 +23,9 @@ from fxlora.adapters import AdapterPool, experts, model_modules, placement, read
 from fxlora.adapters.peft_format import AdapterSource
 from fxlora.adapters.quantization import check_quantized
 from fxlora.compiler import quantized_experts
-from fxlora.compiler.annotate import ModuleTree
 from fxlora.compiler.experts_probe import choose_layout
 from fxlora.compiler.inner import resolve as resolve_inner
+from fxlora.compiler.module_tree import ModuleTree
 from fxlora.errors import AdapterError, NotServed
 from fxlora.runtime import Backend, peft_methods
 from fxlora.runtime.backend import raise_recompile_limit

@@ -11,8 +11,9 @@ from peft import LoraConfig
 
 import fxlora
 from fxlora.adapters import AdapterPool, model_modules
-from fxlora.compiler import PassContext
-from fxlora.compiler.annotate import AttributionError, ModuleTree, annotate, module_fqn
+from fxlora.compiler.context import PassContext
+from fxlora.compiler.module_tree import AttributionError, ModuleTree, module_fqn
+from fxlora.passes.annotate import annotate
 from fxlora.testing import assert_matches_peft, make_adapter, tiny_model
 from fxlora.testing.oracle import check_rows, peft_model_with, reference_logits
 

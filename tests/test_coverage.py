@@ -10,8 +10,8 @@ from peft import LoraConfig
 from transformers.modeling_outputs import CausalLMOutput
 
 import fxlora
-from fxlora.compiler import Variants
-from fxlora.compiler.annotate import ModuleTree
+from fxlora.compiler.module_tree import ModuleTree
+from fxlora.passes import Variants
 from fxlora.runtime.instances import Instances
 from fxlora.testing import assert_matches_peft, make_adapter
 

@@ -11,8 +11,9 @@ import torch
 
 import fxlora
 from fxlora.adapters import AdapterPool
-from fxlora.compiler import PassContext, hoist
 from fxlora.compiler.arena import Arena
+from fxlora.compiler.context import PassContext
+from fxlora.passes.hoist import hoist
 
 
 def compiled_with_arena(fn):

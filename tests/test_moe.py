@@ -226,7 +226,7 @@ def test_experts_with_a_gate_the_op_does_not_know_are_refused_at_compile_time():
 
 def _wrong_activation(monkeypatch):
     """Make lora_moe read every experts module's activation as GELU, whatever it is."""
-    lora_moe = importlib.import_module("fxlora.compiler.lora_moe")  # the package exports the pass by this name
+    lora_moe = importlib.import_module("fxlora.passes.lora_moe")  # the package exports the pass by this name
     chosen = lora_moe.choose_layout
     monkeypatch.setattr(lora_moe, "choose_layout", lambda m: dataclasses.replace(chosen(m), act="gelu"))
 

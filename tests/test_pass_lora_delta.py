@@ -8,8 +8,9 @@ import torch
 from peft import LoraConfig
 
 from fxlora.adapters import AdapterPool, model_modules, read_adapter
-from fxlora.compiler import PassContext, run_pipeline
-from fxlora.compiler.annotate import ModuleTree
+from fxlora.compiler.context import PassContext
+from fxlora.compiler.module_tree import ModuleTree
+from fxlora.passes import run_pipeline
 from fxlora.testing import check_rows, make_adapter, peft_model_with
 
 LORA_DELTA = torch.ops.fxlora.lora_delta.default
@@ -127,7 +128,7 @@ def test_matmul_linears_get_the_delta_joined_on_their_shared_input():
     assert count(variants.lora, LORA_LINEAR) == 1  # c: a plain F.linear keeps the fused op
     assert ctx.rewritten == {"a": "fxlora::lora_delta", "b": "fxlora::lora_delta", "c": "fxlora::lora_linear"}
     assert ("a", "b") in pool.groups
-    assert "lora_delta: LoRA delta onto the traced base of 2 module(s): a + b" in ctx.report
+    assert "LoRA delta onto the traced base of 2 module(s): a + b" in [str(r) for r in ctx.records if r.kind == "served"]
     assert not any(n.target is LORA_DELTA for n in variants.nolora.graph.nodes)
     check_against_peft(model, adapters, variants, inputs, pool, h)
 
@@ -147,7 +148,7 @@ def test_the_shrink_goes_before_the_base_for_code_run_on_cuda():
     assert delta.args[0] is shrink.args[0] and delta.args[2:5] == shrink.args[1:4]  # same input, factors, scratch
     regions = [i for i, n in enumerate(nodes) if n.meta.get("fxlora_module") in ("a", "b")]
     assert nodes.index(shrink) < min(regions) and nodes.index(delta) > max(regions)
-    assert "lora_delta: each shrink issued before its traced base (fxlora::lora_shrink)" in ctx.report
+    assert "each shrink issued before its traced base (fxlora::lora_shrink)" in [str(r) for r in ctx.records]
     check_against_peft(model, adapters, variants, inputs, pool, h)
 
 
@@ -198,7 +199,7 @@ def test_a_region_that_mutates_is_served_where_it_was_traced(shrink_ahead):
     variants, ctx, inputs, pool = compile_toy(model, adapters, h, shrink_ahead)
     assert count(variants.lora, LORA_DELTA) == 2
     assert [n.meta["fxlora_module"] for n in variants.lora.graph.nodes if n.target is LORA_SHRINK] == ["a"] * shrink_ahead
-    assert any(line.startswith("not joined a, b: b mutates a tensor") for line in ctx.report)
+    assert any(str(r).startswith("not joined a, b: b mutates a tensor") for r in ctx.records if r.kind == "info")
     check_against_peft(model, adapters, variants, inputs, pool, h)
 
 

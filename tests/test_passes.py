@@ -1,19 +1,25 @@
 """Each pass on a hand-written FX graph, and the whole pipeline on a Dynamo-traced model."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from toy_graphs import toy_expected, toy_graph, toy_pool
 
+import fxlora.passes
 from fxlora.adapters import AdapterPool, model_modules
-from fxlora.compiler import PassContext, run_pipeline
-from fxlora.compiler.annotate import annotate, module_fqn
-from fxlora.compiler.batch_info import SLOT_IDS, batch_info
-from fxlora.compiler.fuse import MAX_MEMBERS
+from fxlora.compiler.context import PassContext
 from fxlora.compiler.graph_edit import parameter_read
-from fxlora.compiler.lora_delta import lora_delta
-from fxlora.compiler.lora_embedding import lora_embedding
-from fxlora.compiler.lora_linear import lora_linear
+from fxlora.compiler.module_tree import module_fqn
+from fxlora.compiler.operands import MAX_MEMBERS
+from fxlora.compiler.rows import SLOT_IDS
+from fxlora.passes import PIPELINE, STAGES, run_pipeline
+from fxlora.passes.annotate import annotate
+from fxlora.passes.batch_info import batch_info
+from fxlora.passes.lora_delta import lora_delta
+from fxlora.passes.lora_embedding import lora_embedding
+from fxlora.passes.lora_linear import lora_linear
 from fxlora.testing import lora_module_names, tiny_model
 
 LORA_LINEAR = torch.ops.fxlora.lora_linear.default
@@ -31,6 +37,11 @@ def toy():
 
 def count(gm, target):
     return sum(1 for n in gm.graph.nodes if n.target is target)
+
+
+def lines(ctx):
+    """The passes' records as ``explain()`` prints them."""
+    return [str(r) for r in ctx.records]
 
 
 @pytest.mark.parametrize(
@@ -105,7 +116,7 @@ def test_lora_linear_leaves_calls_over_other_weights(toy):
     ctx = PassContext(pool)
     lora_linear(lin1_twice(gm, pool, lambda graph, w: graph.call_function(torch.mul, (w, 2.0))), ctx)
     assert count(gm, LORA_LINEAR) == 0 and not ctx.rewritten
-    assert "skipped lin1: its forward makes 2 linear calls that do not all read its weight" in ctx.report
+    assert "skipped lin1: its forward makes 2 linear calls that do not all read its weight" in lines(ctx)
 
 
 def test_lora_linear_leaves_one_call_of_two_linears_to_lora_delta(toy):
@@ -113,11 +124,11 @@ def test_lora_linear_leaves_one_call_of_two_linears_to_lora_delta(toy):
     _, gm, pool, _ = toy
     ctx = PassContext(pool)
     gm = lora_linear(lin1_twice(gm, pool, lambda graph, w: w, second_call=False), ctx)
-    assert count(gm, LORA_LINEAR) == 0 and "skipped lin1: one call of its forward makes 2 linear calls" in ctx.report
+    assert count(gm, LORA_LINEAR) == 0 and "skipped lin1: one call of its forward makes 2 linear calls" in lines(ctx)
     lora_delta(gm, ctx)
     ctx.served_after_all()
     assert count(gm, torch.ops.fxlora.lora_delta.default) == 1 and ctx.rewritten == {"lin1": "fxlora::lora_delta"}
-    assert not ctx.left_traced and not any(line.startswith("skipped lin1") for line in ctx.report)
+    assert not ctx.left_traced and not any(r.kind == "skipped" and r.modules == ("lin1",) for r in ctx.records)
 
 
 def test_lora_embedding_rewrites_the_lookup(toy):
@@ -174,6 +185,15 @@ def test_pipeline_without_targets_has_no_lora_variant(toy):
     assert torch.equal(variants.nolora(ids), gm(ids))
 
 
+def test_pipeline_holds_every_pass_once_in_stage_order():
+    """One list runs the passes: the shared ones, then (nolora copied) the LoRA ones, then those
+    of each variant; every file of fxlora/passes is one of its entries."""
+    stages = [s for s, _ in PIPELINE]
+    assert stages == sorted(stages, key=STAGES.index)
+    files = {p.stem for p in Path(fxlora.passes.__file__).parent.glob("*.py")} - {"__init__"}
+    assert sorted(p.__name__ for _, p in PIPELINE) == sorted(files)
+
+
 def test_pipeline_on_a_traced_model():
     model = tiny_model("qwen3")
     targets = [t for t in lora_module_names(model) if t != "lm_head"]
@@ -199,8 +219,9 @@ def test_pipeline_on_a_traced_model():
     assert "fxlora" not in captured["nolora"].code
     assert count(captured["nolora"], F.linear) == 2 * 7 + 1  # and lm_head
     assert set(ctx.rewritten) == set(pool.targets)
-    assert "fuse: 4 group(s) of linears that read one input, one shrink and one expand each: " \
-        "gate_proj + up_proj; q_proj + k_proj + v_proj" in ctx.report
+    (fused,) = [r for r in ctx.records if r.pass_name == "fuse" and r.kind == "served"]
+    assert str(fused) == "fused groups: gate_proj + up_proj; q_proj + k_proj + v_proj (4 in all, one shrink and one expand each)"
+    assert len(fused.modules) == 2 * 5
     layer = "model.layers.0"
     assert set(pool.groups) >= {
         tuple(f"{layer}.self_attn.{p}_proj" for p in "qkv"),
@@ -222,7 +243,7 @@ def test_fuse_leaves_linears_a_graph_already_reads_alone():
     with torch.no_grad():
         torch.compile(model, backend=backend)(input_ids=torch.randint(3, 96, (1, 4)))
     assert list(pool.groups) == [tuple(f"model.layers.1.self_attn.{p}_proj" for p in "qkv")]
-    assert any("not fused model.layers.0.self_attn.q_proj" in line and "on its own" in line for line in ctx.report)
+    assert any("not fused model.layers.0.self_attn.q_proj" in line and "on its own" in line for line in lines(ctx))
     assert ctx.rewritten["model.layers.0.self_attn.k_proj"] == "fxlora::lora_linear"
 
 

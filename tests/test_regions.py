@@ -12,8 +12,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxlora
 from fxlora.compiler import regions
-from fxlora.compiler.annotate import module_fqn
 from fxlora.compiler.inner import compile_inner
+from fxlora.compiler.module_tree import module_fqn
 from fxlora.testing import make_adapter, tiny_model
 from fxlora.testing.oracle import assert_matches_peft
 

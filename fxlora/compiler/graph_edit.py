@@ -1,9 +1,9 @@
-"""Graph-editing steps the LoRA passes share: wiring in pool tensors, replacing a base call,
-finding a module's region by its boundary."""
+"""Graph-editing steps the LoRA passes share: reading a call's arguments, traced values and
+parameters, finding each call of a targeted module (:func:`base_calls`, :func:`module_calls`)
+or its region by its boundary, and replacing a base call."""
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from fxlora.adapters import PoolGroup, PoolTarget
+from fxlora.adapters import PoolTarget
 from fxlora.errors import NotServed
 
 if TYPE_CHECKING:
@@ -122,24 +122,6 @@ def parameter_read(node: Any) -> list[fx.Node] | None:
     if not (isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")):
         return None
     return [node, *reversed(chain)]
-
-
-def pool_nodes(gm: fx.GraphModule, target: PoolTarget | PoolGroup) -> list[fx.Node]:
-    """``get_attr`` nodes for one target's (or group's) ``lora_a, lora_b, scaling, rank``: the
-    list a LoRA op takes as its ``lora`` bundle. The pool's own tensors become buffers of
-    ``gm``, so in-place adapter loads reach the graph: persistent ones, as a set of names of
-    non-persistent buffers would enter AOTAutograd's cache key in an order that changes from one
-    process to the next."""
-    target.wired = True
-    stem = "fxlora_" + re.sub(r"\W", "_", target.fqn)
-    nodes = []
-    for field in ("lora_a", "lora_b", "scaling", "rank"):
-        name = f"{stem}_{field}"
-        if not hasattr(gm, name):
-            gm.register_buffer(name, getattr(target, field))
-        node = gm.graph.get_attr(name)
-        nodes.append(node)
-    return nodes
 
 
 def call_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:

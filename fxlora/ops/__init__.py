@@ -15,6 +15,8 @@ its kernel in :mod:`fxlora.kernels` if it has one of its own, its pass in
 reference, and a pass test on a graph.
 """
 
+import torch
+
 from fxlora.ops.batch_info import batch_info
 from fxlora.ops.decode_attention import decode_attention
 from fxlora.ops.grouped_mm import grouped_mm
@@ -26,8 +28,19 @@ from fxlora.ops.moe_lora import COMPOSITIONS, moe_lora
 from fxlora.ops.operands import BatchInfo, LoraWeights
 from fxlora.ops.paged_attention import gather_pages, paged_decode_attention
 
+# The ops that add LoRA: a graph that holds none has no LoRA to run.
+LORA_OPS = frozenset({
+    torch.ops.fxlora.lora_delta.default,
+    torch.ops.fxlora.lora_linear.default,
+    torch.ops.fxlora.lora_linear_fused.default,
+    torch.ops.fxlora.lora_shrink.default,
+    torch.ops.fxlora.lora_embedding.default,
+    torch.ops.fxlora.moe_lora.default,
+})
+
 __all__ = [
     "COMPOSITIONS",
+    "LORA_OPS",
     "BatchInfo",
     "LoraWeights",
     "batch_info",

@@ -26,11 +26,13 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import AdapterPool, read_adapter
-from fxlora.compiler import PassContext, Variants, progress, run_pipeline
-from fxlora.compiler.annotate import ModuleTree
+from fxlora.compiler import progress
 from fxlora.compiler.arena import Arena
+from fxlora.compiler.context import PassContext
 from fxlora.compiler.inner import resolve as resolve_inner
+from fxlora.compiler.module_tree import ModuleTree
 from fxlora.errors import AdapterError
+from fxlora.passes import Variants, run_pipeline
 from fxlora.runtime import peft_methods
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.explain import GraphRecord
@@ -105,7 +107,7 @@ class Backend:
             device = devices.pop() if len(devices) == 1 else _first_device(example_inputs)
             if self.cuda_graphs and self.graphs is None:
                 self.graphs = GraphSet(device, enabled=True)
-            record = GraphRecord.of(len(self.routers), _role.get(), variants, ctx.report, inner)
+            record = GraphRecord.of(len(self.routers), _role.get(), variants, ctx.records, inner)
             rebuild = functools.partial(self._rebuild, gm, record, inner)
             instances = Instances(variants, example_inputs, self.modules, rebuild)
             router = Router(  # compiles the variants
@@ -144,7 +146,8 @@ class Backend:
             variants = run_pipeline(gm, ctx)
         self.rewritten.update(ctx.rewritten)
         record.instances += 1
-        record.notes += [n for n in ctx.report if n not in record.notes and not n.startswith("fuse:")]
+        # what another instance left as traced, or was told of; how it was served is the traced graph's
+        record.records += [r for r in ctx.records if r.kind != "served" and r not in record.records]
         return variants
 
     def graph_breaks(self) -> list[str]:

@@ -1,8 +1,9 @@
 """``explain()``: what a compiled model serves and how, as a report read top to bottom.
 
 Sections, in order: the adapter pool (slots used and free, each adapter), the graphs by role
-with their LoRA ops, what is not served and why, memory, and a line for each term of
-:data:`GLOSSARY` the report uses.
+with their LoRA ops and what the passes served or noticed, what is not served and why (the
+passes' records of kind ``skipped``), memory, and a line for each term of :data:`GLOSSARY`
+the report uses.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import AdapterPool
-from fxlora.compiler import LORA_OPS, Variants
 from fxlora.compiler.arena import Arena, hoisted
+from fxlora.compiler.context import PassRecord
+from fxlora.ops import LORA_OPS
+from fxlora.passes import Variants
 
 GLOSSARY = {
     "slot": "a place in the adapter pool holding one adapter; rows name adapters, the graphs read slots",
@@ -43,20 +46,20 @@ class GraphRecord:
     ops: Counter[str]
     prologues: int
     hoisted: dict[str, int]  # variant -> allocations placed in the arena
-    notes: list[str] = field(default_factory=list)  # what a pass left alone, and why
+    records: list[PassRecord] = field(default_factory=list)  # what the passes did, for the graph's lines and "Not served"
     inner: str = "eager"  # the inner compiler of both variants
-    attention: int = 0  # decode-step SDPA calls served by fxlora::decode_attention
     instances: int = 0  # other module instances Dynamo runs the graph for, each with variants of its own
     regions: dict[str, str] = field(default_factory=dict)  # variant -> how Inductor compiled it by region
 
     @classmethod
-    def of(cls, index: int, role: str, variants: Variants, notes: Iterable[str], inner: str = "eager") -> GraphRecord:
+    def of(
+        cls, index: int, role: str, variants: Variants, records: Iterable[PassRecord], inner: str = "eager"
+    ) -> GraphRecord:
         lora_nodes = list(variants.lora.graph.nodes) if variants.lora is not None else []
         ops = Counter(n.target.name().removeprefix("fxlora::") for n in lora_nodes if n.target in LORA_OPS)
         prologues = sum(1 for n in lora_nodes if n.target is torch.ops.fxlora.batch_info.default)
         hoists = {v: _hoisted(g) for v, g in (("lora", variants.lora), ("nolora", variants.nolora)) if g is not None}
-        attention = sum(1 for n in variants.nolora.graph.nodes if n.target is torch.ops.fxlora.decode_attention.default)
-        return cls(index, role, ops, prologues, hoists, list(notes), inner, attention)
+        return cls(index, role, ops, prologues, hoists, list(records), inner)
 
     def lines(self) -> Iterable[str]:
         by = "" if self.inner == "eager" else f"; both compiled by {self.inner}"
@@ -67,15 +70,11 @@ class GraphRecord:
             yield f"  {self.role} graph {self.index}: no LoRA target here; nolora only{by}"
         if self.instances:
             yield f"    also runs for {self.instances} other instance(s) of its code, with variants of their own"
-        for note in self.notes:
-            if note.startswith("fuse:"):
-                yield "    fused groups: " + note.rpartition(": ")[2]
-            if note.startswith("lora_delta:"):
-                yield "    " + note.removeprefix("lora_delta: ")
+        for record in self.records:
+            if record.kind != "skipped":  # what was served, and what else the passes tell
+                yield f"    {record}"
         if self.regions:
             yield "    by region: " + "; ".join(f"{v} {how}" for v, how in self.regions.items())
-        if self.attention:
-            yield f"    decode attention: {self.attention} SDPA call(s) read the KV cache's grouped heads as cached"
         if any(self.hoisted.values()):
             yield "    arena: " + ", ".join(f"{n} allocation(s) of {v}" for v, n in self.hoisted.items())
 
@@ -126,8 +125,7 @@ def report(
     else:
         lines.append("  none yet: call the model once to trace it")
     lines += [f"  {line}" for line in runtime]
-    served = ("fuse:", "lora_delta:", "batch_info:", "hoist:", "decode_attention:")
-    skipped = [n for g in graphs for n in g.notes if not n.startswith(served)]
+    skipped = [str(r) for g in graphs for r in g.records if r.kind == "skipped"]
     skipped += [f"{fqn}: targeted, but no traced graph calls it" for fqn in not_traced]
     lines += ["", "Not served:"] + ([f"  {line}" for line in dict.fromkeys(skipped)] or ["  nothing: every target runs its LoRA"])
     lines += ["", "Memory:", f"  adapter pool: {_mib(pool.nbytes)}"]

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from fxlora.compiler import Variants
-from fxlora.compiler.annotate import ModuleTree
+from fxlora.compiler.module_tree import ModuleTree
+from fxlora.passes import Variants
 
 
 class Instances:

@@ -27,9 +27,9 @@ from torch.utils.hooks import RemovableHandle
 
 from fxlora.adapters import NO_ADAPTER, AdapterPool
 from fxlora.adapters.peft_format import BASE_NAME
-from fxlora.compiler import Variants
 from fxlora.compiler.inner import compile_inner
 from fxlora.errors import AdapterError, AdapterWarning, LoraNotRunError
+from fxlora.passes import Variants
 from fxlora.runtime.cuda_graphs import GraphSet, cpu_work
 from fxlora.runtime.instances import Instances
 

@@ -1,37 +1,32 @@
-"""batch_info: one prologue per token layout, shared by every LoRA op of the graph.
+"""Which dimension of a LoRA op's input holds the batch's rows, read from the traced shapes.
 
-The LoRA passes ask :func:`batch_info_for` for the metadata of their op's tokens; each
-request inserts a ``fxlora::batch_info(slot_ids, tokens, feature_dims, num_slots, row_dim)``
-node reading the graph's ``fxlora_slot_ids`` placeholder (the per-row slot ids the runtime
-passes). This pass then merges requests whose tokens have the same leading shape and row
-dimension into the first one, so a decoder computes its metadata once (twice when the output
-head sees only the last positions). It leaves every other node alone.
-
-Which dimension of a LoRA op's input holds the rows (:func:`row_dim`) is read from the traced
-shapes: the batch input (``PassContext.batch``, the tensor whose first dimension the runtime
-counts rows by) gives the rows' size as the graph traced it, a symbol under dynamic shapes,
-and the dimension of the op's input that is that size holds the rows: the first for the usual
-``(batch, seq, hidden)``, the second for a time-major ``(seq, batch, hidden)`` (XLNet). A
-flattened ``(batch·seq, hidden)`` is followed back through reshapes to the shape it came
-from. Where no dimension or more than one can be the rows, the module is not served.
-Without a known batch input (``torch.compile(backend="fxlora")``, or a graph that resumes
-after a graph break) the first dimension is taken, as the runtime counts rows.
+The runtime names the batch input (``PassContext.batch``: the tensor whose first dimension it
+counts rows by). Its first dimension gives the rows' size as the graph traced it, a symbol
+under dynamic shapes, and the dimension of the op's input that is that size holds the rows:
+the first for the usual ``(batch, seq, hidden)``, the second for a time-major ``(seq, batch,
+hidden)`` (XLNet). A flattened ``(batch·seq, hidden)`` is followed back through reshapes to
+the shape it came from. Where no dimension or more than one can be the rows,
+:func:`row_dim` raises :class:`NotServed`. Without a known batch input
+(``torch.compile(backend="fxlora")``, or a graph that resumes after a graph break) the first
+dimension is taken, as the runtime counts rows.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING
 
 import sympy
 import torch
 import torch.fx as fx
 
-from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import fake_value, meta_shape, meta_value
+from fxlora.compiler.graph_edit import meta_value
 from fxlora.errors import NotServed
 
-SLOT_IDS = "fxlora_slot_ids"
-_LAYOUT = "fxlora_layout"
+if TYPE_CHECKING:
+    from fxlora.compiler.context import PassContext
+
+SLOT_IDS = "fxlora_slot_ids"  # the graph's input of per-row slot ids, which the LoRA ops' prologues read
 
 _SEARCH_LIMIT = 256  # nodes followed back; a flattening sits a few calls before its LoRA ops
 
@@ -46,60 +41,6 @@ _REORDERING = {
     "index_select", "gather", "take_along_dim", "sort", "argsort", "msort", "flip", "fliplr", "flipud", "roll",
     "transpose", "t", "permute", "swapaxes", "swapdims", "movedim", "scatter", "index", "index_put",
 }  # fmt: skip
-
-
-def slot_ids_placeholder(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, rows_at: int) -> fx.Node:
-    """The graph's slot-ids input, made on first use with the traced value of one id per row
-    (an inner compiler traces the graph again from these values): as many as the batch input
-    has rows, or else a count of their own (:func:`_free_size`)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for n in placeholders:
-        if n.target == SLOT_IDS:
-            return n
-    where = gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before(None)
-    with where:
-        node = gm.graph.placeholder(SLOT_IDS)
-    batch = _batch_placeholder(gm, ctx)
-    if batch is not None:
-        fake_value(node, lambda t: torch.empty(t.shape[0], dtype=torch.int32, device=t.device), batch)
-    else:  # rows the graph cannot see: a size of their own, which tokens may hold flattened
-        fake_value(node, lambda t: torch.empty(_free_size(t, rows_at), dtype=torch.int32, device=t.device), tokens)
-    return node
-
-
-def _free_size(like: torch.Tensor, dim: int) -> int | torch.SymInt:
-    """A new dynamic size in the trace's shape environment, hinted by ``like.shape[dim]`` (that
-    size itself where the trace has no shape environment): the slot ids of a graph resumed
-    after a graph break number the batch's rows, which its tokens need not show."""
-    size, env = like.shape[dim], like.fake_mode.shape_env
-    hint = size if isinstance(size, int) else size.node.hint
-    if env is None or hint is None:
-        return size
-    from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import DimDynamic
-
-    source = ConstantSource(f"{SLOT_IDS}_rows")
-    symbol = env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
-    return env.create_symintnode(symbol, hint=hint, source=source)
-
-
-def batch_info_for(
-    gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, feature_dims: int, row_dim: int
-) -> list[fx.Node]:
-    """Insert a prologue for ``tokens`` (rows along ``row_dim``, from :func:`row_dim`) at the
-    current insertion point; returns its outputs, a ``getitem`` each: the list a LoRA op takes
-    as its ``batch`` bundle."""
-    slot_ids = slot_ids_placeholder(gm, ctx, tokens, row_dim)
-    node = gm.graph.call_function(
-        torch.ops.fxlora.batch_info.default, (slot_ids, tokens, feature_dims, ctx.pool.max_loras, row_dim)
-    )
-    shape = meta_shape(tokens)
-    node.meta[_LAYOUT] = None if shape is None else f"{shape[: len(shape) - feature_dims]} rows {row_dim}"
-    outputs = []
-    for i in range(len(node.target._schema.returns)):
-        out = gm.graph.call_function(operator.getitem, (node, i))
-        outputs.append(out)
-    return outputs
 
 
 def row_dim(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, feature_dims: int) -> int:
@@ -127,11 +68,11 @@ def row_dim(gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, feature_dims:
 def _rows(gm: fx.GraphModule, ctx: PassContext):
     """The batch's row count as the graph traced it (a sympy expression), or None when the
     graph does not read the batch input."""
-    batch = _batch_placeholder(gm, ctx)
+    batch = batch_placeholder(gm, ctx)
     return None if batch is None else _expr(meta_value(batch).shape[0])
 
 
-def _batch_placeholder(gm: fx.GraphModule, ctx: PassContext) -> fx.Node | None:
+def batch_placeholder(gm: fx.GraphModule, ctx: PassContext) -> fx.Node | None:
     """The placeholder of the batch input (``PassContext.batch``), when the graph reads it."""
     if ctx.batch is None or ctx.inputs is None:
         return None
@@ -215,23 +156,3 @@ def _reorders(node: fx.Node) -> bool:
 def _first_size(node: fx.Node):
     val = meta_value(node)
     return _expr(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() > 0 else None
-
-
-def batch_info(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    first: dict[object, fx.Node] = {}
-    prologues = [n for n in gm.graph.nodes if n.target is torch.ops.fxlora.batch_info.default]
-    for node in prologues:
-        layout = node.meta.get(_LAYOUT)
-        if layout is None or layout not in first:
-            first[layout if layout is not None else id(node)] = node
-            continue
-        keep = {u.args[1]: u for u in first[layout].users}
-        for user in list(node.users):
-            user.replace_all_uses_with(keep[user.args[1]])
-            gm.graph.erase_node(user)
-        gm.graph.erase_node(node)
-    if prologues:
-        ctx.note(f"batch_info: {len(first)} prologue(s) shared by {len(prologues)} LoRA op(s)")
-    gm.graph.lint()
-    gm.recompile()
-    return gm

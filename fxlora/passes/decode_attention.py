@@ -1,18 +1,26 @@
 """decode_attention: SDPA over a KV cache at a decode step becomes ``fxlora::decode_attention``,
 or ``fxlora::paged_decode_attention`` over a paged cache.
 
+Runs where the compiled code runs on CUDA (``PassContext.decode_attention``), on the graph
+both variants come from, before ``nolora`` is copied; elsewhere it returns the graph
+unchanged, so on CPU ``nolora`` stays the traced model op for op.
+
 Matches ``scaled_dot_product_attention(q, key, value, attn_mask=mask, ...)`` where ``q`` has
-one position per row, ``mask`` is a 4-D tensor, ``is_causal`` and dropout are off, and
-``key`` / ``value`` are either the cached tensors themselves or transformers' ``repeat_kv``
-of them (``x[:, :, None].expand(b, kv_heads, group, n, d).reshape(b, heads, n, d)``). The op
-takes the cached tensors as they are: grouped-query heads are read once, not copied to every
-query head first, and on CUDA the masked cache blocks are skipped. When the cached keys and
-values are ``fxlora::gather_pages(pages, block_table)`` of a paged cache, both through the
-same block table, the op is ``paged_decode_attention`` over the pages and the table, and
-the gathers go: the attention reads each row's blocks where they lie. Attention with a
-soft-cap or another score function is not an SDPA call and is left alone, as is every
-prefill (several query positions). Runs on both variants, before ``nolora`` is copied,
-where the compiled code runs on CUDA (on CPU ``nolora`` stays the traced model op for op).
+one position per row, ``mask`` is a 4-D tensor with one row per batch row, ``is_causal``,
+dropout and ``enable_gqa`` are off, and ``key`` / ``value`` are either the cached tensors
+themselves or transformers' ``repeat_kv`` of them
+(``x[:, :, None].expand(b, kv_heads, group, n, d).reshape(b, heads, n, d)``).
+
+Emits ``fxlora::decode_attention(q, k, v, mask, scale)`` over the cached tensors as they are:
+grouped-query heads are read once, not copied to every query head first, and on CUDA the
+masked cache blocks are skipped; the ``repeat_kv`` nodes go once nothing reads them. When the
+cached keys and values are ``fxlora::gather_pages(pages, block_table)`` of a paged cache, both
+through the same block table, it emits ``paged_decode_attention`` over the pages and the
+table instead, and the gathers go: the attention reads each row's blocks where they lie.
+Records how many calls it served.
+
+Leaves alone attention with a soft-cap or another score function (not an SDPA call), every
+prefill (several query positions), and every other node.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ PAGED = torch.ops.fxlora.paged_decode_attention.default
 
 
 def decode_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if not ctx.decode_attention:  # code that does not run on CUDA keeps the model's own SDPA
+        return gm
     served = paged = 0
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]:
         q, mask = call_arg(node, 0, "query"), call_arg(node, 3, "attn_mask")
@@ -65,8 +75,8 @@ def decode_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 gm.graph.erase_node(n)
         served, paged = served + 1, paged + on_pages
     if served:
-        ctx.note(f"decode_attention: {served} SDPA call(s) over the KV cache read grouped heads as cached"
-                 + (f", {paged} of them from its pages" if paged else ""))  # fmt: skip
+        ctx.record("info", (), f"decode attention: {served} SDPA call(s) over the KV cache read grouped heads as cached"
+                   + (f", {paged} of them from its pages" if paged else ""))  # fmt: skip
         gm.graph.lint()
         gm.recompile()
     return gm

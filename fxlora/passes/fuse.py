@@ -1,18 +1,23 @@
 """fuse: targeted linears that read the same input become one ``fxlora::lora_linear_fused``.
 
-q, k and v read the same hidden states, as do gate and up, or MLA's ``q_a_proj`` and
-``kv_a_proj_with_mqa``. Each such set of ``F.linear`` calls of pool targets — same input node,
-same dtype — becomes one op that returns each member's own output: every member keeps its
-GEMM, and its factors are one slice of the multi-slice layout, so one shrink and one expand
-serve them all where each would launch its own. The pool joins the members' factors into that
-layout (:meth:`AdapterPool.join`); each member's users read its output from the op's list.
+Matches the ``F.linear`` calls of linear pool targets over plain weights (one per call of each
+module, :func:`fxlora.compiler.graph_edit.base_calls`) that read the same input node, with a
+weight of the pool's shape: q, k and v read the same hidden states, as do gate and up, or
+MLA's ``q_a_proj`` and ``kv_a_proj_with_mqa``. A block applied several times (a recurrent
+layer) makes one set per application, each the same group of the pool; a set of more than
+:data:`fxlora.compiler.operands.MAX_MEMBERS` makes several.
 
-A block applied several times (a recurrent layer) makes one set per application, each the
-same group of the pool. Runs before ``lora_linear``, which takes the linears left over. A set
-is left alone, and reported, when the pool cannot join it or when a member's weight is
-computed after the first member's call (a parameter read, through casts or a DTensor's
-``to_local``, moves up). Calls of tensor-subclass weights (torchao's quantised
-weights) are ``lora_delta``'s.
+Emits, for each set, one ``fxlora::lora_linear_fused`` that returns each member's own output,
+and a ``getitem`` per member that the member's users read: every member keeps its GEMM, and
+its factors are one slice of the multi-slice layout, which the pool joins them into
+(:meth:`AdapterPool.join`), so one shrink and one expand serve them all where each would
+launch its own. A parameter read a member's weight needs (through casts or a DTensor's
+``to_local``) moves up before the op. Records the groups it served.
+
+Leaves alone, for ``lora_linear`` after it, a set the pool cannot join or in which a member's
+weight is computed after the first member's call (recorded), and a linear that shares its
+input with no other. Calls of tensor-subclass weights (torchao's quantised weights) are
+``lora_delta``'s.
 """
 
 from __future__ import annotations
@@ -25,8 +30,7 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import PoolTarget
-from fxlora.compiler.annotate import LINEAR
-from fxlora.compiler.batch_info import row_dim
+from fxlora.compiler.calls import LINEAR, linear_weight
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.graph_edit import (
     base_calls,
@@ -36,10 +40,9 @@ from fxlora.compiler.graph_edit import (
     parameter_read,
     reads_wrapped_tensor,
 )
-from fxlora.compiler.lora_linear import linear_weight, lora_operands
+from fxlora.compiler.operands import MAX_MEMBERS, lora_operands
+from fxlora.compiler.rows import row_dim
 from fxlora.errors import NotServed
-
-MAX_MEMBERS = 4  # the expands update at most four outputs (sgmv.MAX_SLICES); more make several groups
 
 
 def fuse(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -60,7 +63,8 @@ def fuse(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 fused += _fuse(gm, ctx, x, members[i : i + MAX_MEMBERS])
     if fused:
         kinds = sorted({" + ".join(f.rpartition(".")[2] for f in group) for group in fused})
-        ctx.note(f"fuse: {len(fused)} group(s) of linears that read one input, one shrink and one expand each: {'; '.join(kinds)}")
+        text = f"fused groups: {'; '.join(kinds)} ({len(fused)} in all, one shrink and one expand each)"
+        ctx.record("served", [f for group in fused for f in group], text)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -77,7 +81,7 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
     late = [a for a in weights + biases if isinstance(a, fx.Node) and position[a] > position[first]]
     reads = [parameter_read(a) for a in late]
     if any(r is None for r in reads):
-        ctx.note(f"not fused {', '.join(fqns)}: a weight is computed after the call of {fqns[0]}")
+        ctx.record("info", fqns, f"not fused {', '.join(fqns)}: a weight is computed after the call of {fqns[0]}")
         return []
     try:
         rows = row_dim(gm, ctx, x, feature_dims=1)
@@ -86,7 +90,7 @@ def _fuse(gm, ctx: PassContext, x: fx.Node, members: list[tuple[PoolTarget, fx.N
     try:
         group = ctx.pool.join(fqns)
     except NotServed as why:
-        ctx.note(f"not fused {', '.join(fqns)}: {why}")
+        ctx.record("info", fqns, f"not fused {', '.join(fqns)}: {why}")
         return []
     for read in reads:  # a parameter read (through casts, or a DTensor's local shard): safe earlier
         for a in read:

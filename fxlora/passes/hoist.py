@@ -1,15 +1,19 @@
 """hoist: the graph's allocations become sites of one planned arena.
 
-Every ``torch.empty / zeros / ones / full / arange``, ``*_like`` and ``new_*`` call, and
-every LoRA workspace the LoRA passes inserted, is replaced by
-``hoisted(plan, site, kind, *args)`` (see :mod:`fxlora.compiler.arena`), with the site's
-lifetime: from the allocation to the last use of any node that may alias it. Aliasing is
-read from the traced values (a view shares its base's storage); a node without a traced
-value is assumed to alias its input. Allocations that reach the graph's output stay as
-they are, since the next graph would overwrite them.
+Runs on each variant, so ``lora`` and ``nolora`` get plans of their own, both placed from
+offset 0 of the model's one arena; without an arena (Inductor plans the graph's memory
+itself) it returns the graph unchanged.
 
-Runs on each variant, so ``lora`` and ``nolora`` get plans of their
-own, both placed from offset 0 of the model's one arena.
+Matches every ``torch.empty / zeros / ones / full / arange``, ``*_like`` and ``new_*`` call,
+and every LoRA workspace the LoRA passes inserted (:data:`fxlora.compiler.arena.WORKSPACES`).
+
+Emits ``hoisted(plan, site, kind, *args)`` in each one's place (see
+:mod:`fxlora.compiler.arena`), with the site's lifetime: from the allocation to the last use
+of any node that may alias it. Aliasing is read from the traced values (a view shares its
+base's storage); a node without a traced value is assumed to alias its input.
+
+Leaves alone allocations that reach the graph's output, since the next graph would overwrite
+them (recorded), and every other node.
 """
 
 from __future__ import annotations
@@ -97,10 +101,8 @@ def hoist(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-    ctx.note(
-        f"hoist: {len(sites)} allocation(s) into the arena"
-        + (f", {kept} left as they are (they reach the graph's output)" if kept else "")
-    )
+    if kept:  # the arena's own count is read off the graph (explain)
+        ctx.record("info", (), f"arena: {kept} allocation(s) left as they are (they reach the graph's output)")
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -1,25 +1,29 @@
 """lora_delta: the LoRA delta added onto the output of a targeted linear that is not a plain
 ``F.linear`` of its weight.
 
-``fuse`` and ``lora_linear`` take the ``F.linear`` calls of plain weights. Every other linear
-target keeps its traced base computation — ``input @ weight.T`` (Falcon's ``FalconLinear``),
-an ``F.linear`` of a tensor-subclass weight (torchao's quantised weights), anything else its
-forward does — and gets ``fxlora::lora_delta`` onto its output, as PEFT's wrapper adds the
-delta onto its base layer's. The module is found by its boundary: the call nodes ``annotate``
-attributed to it or its submodules. Their region must have one output, of shape
-``(..., out_features)``, and read one input of shape ``(..., in_features)`` with the output's
-leading shape (parameters, recognised by identity with the model's, are not inputs). The op
-goes right after the output and adds in place, so every user of the output reads the sum.
-For code captured in CUDA graphs (``PassContext.shrink_ahead``) the op's shrink, which reads
-only the input, becomes ``fxlora::lora_shrink`` right before the region, so that it runs beside
-the base, and the op after the region only expands.
+Matches every linear pool target the passes before did not replace — ``input @ weight.T``
+(Falcon's ``FalconLinear``), an ``F.linear`` of a tensor-subclass weight (torchao's quantised
+weights), a forward that makes several linear calls, anything else its forward does — by its
+boundary: the call nodes ``annotate`` attributed to the module or its submodules, one region
+per call of the module. A region must have one output, of shape ``(..., out_features)``, and
+read one input of shape ``(..., in_features)`` with the output's leading shape (parameters,
+recognised by identity with the model's, are not inputs); a row-parallel layer's all-reduce
+stays after the region.
 
-A module called more than once gets one op per call. Targets whose regions read the same input (a quantised model's q, k and v; Falcon's
-``query_key_value`` and ``dense_h_to_4h``) are joined in the pool (:meth:`AdapterPool.join`)
-and served by one call over all their outputs, the multi-slice layout: the later regions
-move up behind the first one, where their inputs are ready. A region that mutates anything
-is not moved and is served on its own. A module the pass cannot serve is left as traced and
-reported.
+Emits ``fxlora::lora_delta`` right after the output, adding in place, so every user of the
+output reads the sum, as PEFT's wrapper adds the delta onto its base layer's; the base
+computation keeps its traced form. Targets whose regions read the same input (a quantised
+model's q, k and v; Falcon's ``query_key_value`` and ``dense_h_to_4h``) are joined in the pool
+(:meth:`AdapterPool.join`) and served by one op over all their outputs, the multi-slice
+layout, the later regions moved up behind the first one, where their inputs are ready. For
+code captured in CUDA graphs (``PassContext.shrink_ahead``) the op's shrink, which reads only
+the input, becomes ``fxlora::lora_shrink`` right before the regions, so that it runs beside
+the base, and the op after them only expands. Records the modules it served; a target it
+serves is no longer left as traced, whatever an earlier pass recorded.
+
+Leaves alone, and records as skipped, a module whose region does not fit a linear. A region
+that mutates anything, or reads a value computed after the first one, is not moved: it is
+served where it was traced, on its own (recorded).
 """
 
 from __future__ import annotations
@@ -35,9 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fxlora.adapters import PoolGroup, PoolTarget
-from fxlora.compiler.batch_info import row_dim
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.fuse import MAX_MEMBERS
 from fxlora.compiler.graph_edit import (
     input_values,
     meta_value,
@@ -47,7 +49,8 @@ from fxlora.compiler.graph_edit import (
     region_outputs,
     split_reduction,
 )
-from fxlora.compiler.lora_linear import lora_operands
+from fxlora.compiler.operands import MAX_MEMBERS, lora_operands
+from fxlora.compiler.rows import row_dim
 from fxlora.errors import NotServed
 
 OP = "fxlora::lora_delta"
@@ -95,9 +98,10 @@ def lora_delta(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             groups += _serve(gm, ctx, x, rows, regions[i : i + MAX_MEMBERS])
     if groups:
         kinds = sorted({" + ".join(f.rpartition(".")[2] for f in g) for g in groups})
-        ctx.note(f"lora_delta: LoRA delta onto the traced base of {sum(map(len, groups))} module(s): {'; '.join(kinds)}")
+        served = [f for g in groups for f in g]
+        ctx.record("served", served, f"LoRA delta onto the traced base of {len(served)} module(s): {'; '.join(kinds)}")
         if ctx.shrink_ahead:
-            ctx.note("lora_delta: each shrink issued before its traced base (fxlora::lora_shrink)")
+            ctx.record("info", served, "each shrink issued before its traced base (fxlora::lora_shrink)")
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -166,7 +170,8 @@ def _serve(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions:
             _move_up(gm, regions)
             _insert(gm, ctx, x, rows, regions, group)
             return [group.fqns]
-        ctx.note(f"not joined {', '.join(r.target.fqn for r in regions)}: {why}")
+        fqns = [r.target.fqn for r in regions]
+        ctx.record("info", fqns, f"not joined {', '.join(fqns)}: {why}")
     for r in regions:
         _insert(gm, ctx, x, rows, [r], r.target)
     return [(r.target.fqn,) for r in regions]

@@ -1,13 +1,16 @@
 """lora_embedding: targeted ``F.embedding`` calls become ``fxlora::lora_embedding``.
 
-Matches ``F.embedding`` / ``aten.embedding`` nodes of modules the pool targets as
-embeddings (``embed_tokens``) and replaces each with
-``fxlora::lora_embedding(ids, weight, lora, batch)`` (the pool buffers' bundle and the
-tokens' batch info bundle). The delta joins the lookup inside the module, so a module that
-rescales its output (Gemma's scaled word embedding) rescales the delta too, as PEFT does.
-Calls with ``max_norm`` (which rewrites the weight), lookups in a tensor-subclass weight (a
-quantised embedding, which the op's ``F.embedding`` cannot take), and calls whose ids' rows
-cannot be told, are left alone and reported.
+Matches the ``F.embedding`` / ``aten.embedding`` calls of modules the pool targets as
+embeddings (``embed_tokens``).
+
+Emits ``fxlora::lora_embedding(ids, weight, lora, batch)`` in each one's place (the pool
+buffers' bundle and the tokens' batch info bundle). The delta joins the lookup inside the
+module, so a module that rescales its output (Gemma's scaled word embedding) rescales the
+delta too, as PEFT does.
+
+Leaves alone, and records as skipped, calls with ``max_norm`` (which rewrites the weight),
+lookups in a tensor-subclass weight (a quantised embedding, which the op's ``F.embedding``
+cannot take), and calls whose ids' rows cannot be told.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxlora.compiler.annotate import EMBEDDING, embedding_args
-from fxlora.compiler.batch_info import batch_info_for, row_dim
+from fxlora.compiler.calls import EMBEDDING, embedding_args
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import base_calls, call_arg, meta_value, pool_nodes, reads_wrapped_tensor, replace_with
+from fxlora.compiler.graph_edit import base_calls, call_arg, meta_value, reads_wrapped_tensor, replace_with
+from fxlora.compiler.operands import batch_info_for, pool_nodes
+from fxlora.compiler.rows import row_dim
 from fxlora.errors import NotServed
 
 

@@ -1,18 +1,22 @@
-"""lora_moe: each experts region of the graph becomes one ``fxlora::moe_lora`` call.
+"""lora_moe: each targeted experts region of the graph becomes one ``fxlora::moe_lora`` call.
 
-An experts module whose ``gate_up_proj`` / ``up_proj`` or ``down_proj`` the pool targets is
-found by module boundary: the call nodes ``annotate`` attributed to it or its submodules,
-whatever experts implementation traced them (``grouped_mm``, ``batched_mm``). The region
-must have one output; its inputs are the hidden states, the routing (``top_k_index``,
+Matches each experts module whose ``gate_up_proj`` / ``up_proj`` or ``down_proj`` the pool
+targets, by module boundary: the call nodes ``annotate`` attributed to it or its submodules,
+whatever experts implementation traced them (``grouped_mm``, ``batched_mm``). The region must
+have one output; its inputs are the hidden states, the routing (``top_k_index``,
 ``top_k_weights``) and the module's parameters, recognised by identity with the model's
-tensors. The op is inserted after the region and takes over its users, and the region's
-nodes, dead then, are erased (``nolora``, copied before this pass, keeps the region exactly
-as traced). Each projection's factors go in as one bundle (``pool_nodes``; an empty list for
-a projection no adapter targets). The layout (transposed weights, the gate, the activation)
-is the one whose gate computes as the module's own (:mod:`fxlora.compiler.experts_probe`),
-handed to the op by name; before the region is touched, the op with no adapter is run
-against the module's ``forward`` on a probe, since rows without an adapter run the op too.
-A module whose layout, probe or region the op cannot serve is left alone and reported.
+tensors.
+
+Emits one ``fxlora::moe_lora`` after the region, which takes over its users; the region's
+nodes, dead then, are erased (``nolora``, copied before this pass, keeps the region exactly as
+traced). Each projection's factors go in as one bundle (``pool_nodes``; an empty list for a
+projection no adapter targets). The layout (transposed weights, the gate, the activation) is
+the one whose gate computes as the module's own (:mod:`fxlora.compiler.experts_probe`), handed
+to the op by name; before the region is touched, the op with no adapter is run against the
+module's ``forward`` on a probe, since rows without an adapter run the op too.
+
+Leaves alone, and records as skipped, a module whose layout, probe or region the op cannot
+serve; size arithmetic computed from the region's inputs alone stays where it is.
 
 Under tensor parallelism (experts sharded over their intermediate features) the region reads
 its parameters' local shards and ends with the all-reduce of the ranks' partial outputs: the
@@ -33,7 +37,6 @@ import torch
 import torch.fx as fx
 
 from fxlora.adapters import experts
-from fxlora.compiler.batch_info import batch_info_for, row_dim
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.experts_probe import choose_layout, prove_region
 from fxlora.compiler.graph_edit import (
@@ -43,11 +46,12 @@ from fxlora.compiler.graph_edit import (
     meta_value,
     module_region,
     parameter_read,
-    pool_nodes,
     region_inputs,
     region_outputs,
     split_reduction,
 )
+from fxlora.compiler.operands import batch_info_for, pool_nodes
+from fxlora.compiler.rows import row_dim
 from fxlora.errors import NotServed
 from fxlora.ops.moe_lora import local_routing
 
