@@ -337,7 +337,7 @@ def _factors(
                 )
             modules[module] = LoraFactors("parameter", a, b, None)
             continue
-        if not (all_linear(config) and kinds[module] == "linear") and not selects_module(config, module):
+        if not all_linear_selects(config.target_modules, kinds[module]) and not selects_module(config, module):
             raise AdapterError(
                 f"adapter {name!r} ({where}): holds weights for module {module!r}, which its "
                 "target_modules / exclude_modules / layers_to_transform do not select"
@@ -370,8 +370,23 @@ def selects_module(config: LoraConfig, module: str) -> bool:
     return bool(check_target_module_exists(config, module))
 
 
-def all_linear(config: LoraConfig) -> bool:
-    return isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"
+def all_linear(target_modules: object) -> bool:
+    """Whether ``target_modules`` is PEFT's ``"all-linear"`` shorthand (in any case)."""
+    return isinstance(target_modules, str) and target_modules.lower() == "all-linear"
+
+
+def all_linear_selects(
+    target_modules: object, kind: str | None, parameter: str | None = None, output_embedding: bool = False
+) -> bool:
+    """PEFT's ``"all-linear"`` rule (``_maybe_include_all_linear_layers``): with that
+    shorthand for ``target_modules``, every linear module — ``nn.Linear`` and its subclasses
+    (bitsandbytes' ``Linear4bit``), transformers' ``Conv1D`` — but the model's output
+    embedding. ``kind`` is the module's (``ModuleInfo.kind``), or, read without the model, that
+    of the LoRA an adapter holds for it; ``parameter``: the module is a linear only as the
+    ``F.linear`` of a 2-D parameter of its own (an MoE router, ``ModuleInfo.over_parameter``),
+    which PEFT's rule, by type, does not pick; ``output_embedding``: the module is the model's
+    output head (``get_output_embeddings()``), when known."""
+    return all_linear(target_modules) and kind == "linear" and parameter is None and not output_embedding
 
 
 def _check_tensor(name: str, where: str, key: str, tensor: Any) -> None:
@@ -411,7 +426,7 @@ def _may_wrap_parameter(config: LoraConfig, module: str) -> bool:
     owner = unwrapped(module)
     if not entries or owner != module:
         return bool(entries)
-    if not all_linear(config) and selects_module(config, module):
+    if not all_linear(config.target_modules) and selects_module(config, module):
         return False
     owners = [e.rpartition(".")[0] for e in entries]  # "" for a bare name: any module may hold it
     return any(not o or owner == o or owner.endswith("." + o) for o in owners)

@@ -31,7 +31,7 @@ from fxlora.adapters import experts
 from fxlora.adapters.peft_format import (
     LoraAdapter,
     LoraFactors,
-    all_linear,
+    all_linear_selects,
     module_factors,
     rank_and_scaling,
     targets_parameter,
@@ -84,7 +84,7 @@ def _from_wrapper(where, adapter: LoraAdapter, key: str, f: LoraFactors, modules
         raise AdapterError(f"{where}: holds target_parameters LoRA {key!r}, but the model has no module {owner!r}")
     depth = (len(key) - len(owner)) // len(".base_layer")
     targeted = [p for p, _ in module.named_parameters(recurse=False) if targets_parameter(config, f"{owner}.{p}")]
-    if not targeted and depth == 0 and all_linear(config) and _picked_by_all_linear(module, head):
+    if not targeted and depth == 0 and _picked_by_all_linear(config, module, head):
         # "all-linear" names modules by type: this one is a linear module of its own
         return key, module_factors(adapter.name, adapter.source, config, key, "linear", f.a, f.b)
     if depth >= len(targeted):
@@ -122,9 +122,9 @@ def _from_wrapper(where, adapter: LoraAdapter, key: str, f: LoraFactors, modules
     return owner, LoraFactors("linear", f.a, f.b, scaling)
 
 
-def _picked_by_all_linear(module: torch.nn.Module, head: torch.nn.Module | None) -> bool:
+def _picked_by_all_linear(config, module: torch.nn.Module, head: torch.nn.Module | None) -> bool:
     info = ModuleInfo.of(module)
-    return info is not None and info.kind == "linear" and module is not head
+    return info is not None and all_linear_selects(config.target_modules, info.kind, info.parameter, module is head)
 
 
 def _linear_over(module: torch.nn.Module, name: str) -> bool:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from fxlora.adapters import sharding
-from fxlora.adapters.peft_format import LoraAdapter, selects_module
+from fxlora.adapters.peft_format import LoraAdapter, all_linear, all_linear_selects, selects_module
 from fxlora.adapters.sharding import Sharding
 from fxlora.errors import AdapterError, NoFreeSlot, NotServed, ShardingError
 
@@ -276,7 +276,6 @@ class AdapterPool:
             from peft import LoraConfig
 
             self._patterns = LoraConfig(target_modules=target_modules)
-        self._all_linear = isinstance(target_modules, str) and target_modules.lower() == "all-linear"
         self._output_embedding = output_embedding  # "all-linear" leaves it out, as PEFT does
         self.modules: dict[str, ModuleInfo] = {}
         self.targets: dict[str, PoolTarget] = {}
@@ -365,8 +364,8 @@ class AdapterPool:
     def _wanted(self, fqn: str, info: ModuleInfo) -> bool:
         if self._patterns is None:
             return False
-        if self._all_linear:  # linear modules, as PEFT's "all-linear" picks them by type
-            return info.kind == "linear" and info.parameter is None and fqn != self._output_embedding
+        if all_linear(self._patterns.target_modules):  # linear modules, as PEFT's "all-linear" picks them by type
+            return all_linear_selects(self._patterns.target_modules, info.kind, info.parameter, fqn == self._output_embedding)
         return selects_module(self._patterns, fqn)
 
     def _check_exists(self, adapter: LoraAdapter, modules: Iterable[str]) -> None:
