@@ -364,8 +364,9 @@ class AdapterPool:
     def _wanted(self, fqn: str, info: ModuleInfo) -> bool:
         if self._patterns is None:
             return False
-        if all_linear(self._patterns.target_modules):  # linear modules, as PEFT's "all-linear" picks them by type
-            return all_linear_selects(self._patterns.target_modules, info.kind, info.parameter, fqn == self._output_embedding)
+        targets = self._patterns.target_modules
+        if all_linear(targets):  # linear modules, as PEFT's "all-linear" picks them by type
+            return all_linear_selects(targets, info.kind, info.parameter, fqn == self._output_embedding)
         return selects_module(self._patterns, fqn)
 
     def _check_exists(self, adapter: LoraAdapter, modules: Iterable[str]) -> None:

@@ -46,7 +46,7 @@ class GraphRecord:
     ops: Counter[str]
     prologues: int
     hoisted: dict[str, int]  # variant -> allocations placed in the arena
-    records: list[PassRecord] = field(default_factory=list)  # what the passes did, for the graph's lines and "Not served"
+    records: list[PassRecord] = field(default_factory=list)  # what the passes did: its lines, and "Not served"
     inner: str = "eager"  # the inner compiler of both variants
     instances: int = 0  # other module instances Dynamo runs the graph for, each with variants of its own
     regions: dict[str, str] = field(default_factory=dict)  # variant -> how Inductor compiled it by region
