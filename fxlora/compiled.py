@@ -15,6 +15,7 @@ import logging
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from fxlora.adapters import AdapterPool, experts, model_modules, placement, read_adapter, sharding
 from fxlora.adapters.peft_format import AdapterSource
 from fxlora.adapters.quantization import check_quantized
-from fxlora.compiler import quantized_experts
+from fxlora.compiler import progress, quantized_experts
 from fxlora.compiler.experts_probe import choose_layout
 from fxlora.compiler.inner import resolve as resolve_inner
 from fxlora.compiler.module_tree import ModuleTree
@@ -121,12 +122,14 @@ class CompiledModel(torch.nn.Module):
             raise AdapterError(f"adapter_names has {len(names)} entries but the batch has {rows} rows")
         for t in (*args, *kwargs.values()):
             mark_batch_dims_dynamic(t)
-        if not self._backend.records:
+        first = not self._backend.records
+        if first:
             log.info("tracing and compiling %s: the first call of each input layout takes a while", type(self.model).__name__)
         raise_recompile_limit()  # in this thread: Dynamo's config is per thread
         with selecting(Selection(names=names, batch=batch, watched=True)) as selection:
             selection.slot_ids(self.pool, self._device)  # resolved once, here: unknown names fail before any work
-            with self._backend.lock:
+            shown = progress.waiting(f"fxlora: tracing {type(self.model).__name__} (first call)") if first else nullcontext()
+            with self._backend.lock, shown:
                 out = self._compiled(*args, **kwargs)
             selection.require_adapters()
         return out

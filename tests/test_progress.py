@@ -35,7 +35,7 @@ def test_a_compilation_advances_a_bar_over_its_steps(bars, inner, tmp_path):
     cm = fxlora.compile(model, adapters={"a": a}, max_rank=8, inner=inner)
     ids = torch.randint(3, 96, (2, 4))
     cm(input_ids=ids, adapter_names=["a", None])
-    (bar,) = bars
+    (bar,) = [b for b in bars if b.desc.startswith("fxlora: compiling")]
     assert bar.desc == "fxlora: compiling forward graph"
     passes = len(PIPELINE)  # hoist counts once for both variants
     drawn = bar.drawn.getvalue()
@@ -48,7 +48,7 @@ def test_a_compilation_advances_a_bar_over_its_steps(bars, inner, tmp_path):
     assert bar.n == bar.total
     assert bar.disable  # closed
     cm(input_ids=ids, adapter_names=[None, "a"])  # nothing to compile: no bar
-    assert len(bars) == 1
+    assert len(bars) == 2  # this compilation's, and the first call's tracing
 
 
 def test_steps_outside_a_compilation_show_nothing(bars):
@@ -56,3 +56,18 @@ def test_steps_outside_a_compilation_show_nothing(bars):
     with progress.step("annotate"):
         pass
     assert bars == []
+
+
+def test_a_first_call_shows_the_time_dynamo_takes(bars):
+    import time
+
+    with progress.waiting("fxlora: waiting"):
+        time.sleep(1.2)  # redrawn meanwhile, with nothing else happening
+    assert bars[-1].drawn.getvalue().count("fxlora: waiting: 00:0") >= 2
+    cm = fxlora.compile(tiny_model("llama", seed=2), inner="eager")
+    ids = torch.randint(3, 96, (2, 5))
+    cm(input_ids=ids)
+    assert [b.desc for b in bars[1:2]] == ["fxlora: tracing LlamaForCausalLM (first call)"]
+    shown = len(bars)
+    cm(input_ids=ids)
+    assert len(bars) == shown  # compiled: no bar

@@ -6,7 +6,8 @@ variants; the pipeline and the inner compiler, below it, announce the steps they
 runs and ticks it off when it ends; both do nothing when no bar is open
 (a graph rebuilt for another instance of its code, a variant compiled on a later call).
 The bar is tqdm's, on stderr, shown on a terminal only (as the decode runtime's bars);
-``TQDM_DISABLE=1`` hides it.
+``TQDM_DISABLE=1`` hides it. Dynamo's tracing, before the backend has a graph, has no steps to
+count: :func:`waiting` shows a bar of the time it has taken so far.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import threading
 from collections.abc import Iterator
 
 from tqdm.auto import tqdm
@@ -61,3 +63,24 @@ def step(name: str) -> Iterator[None]:
     progress.set_postfix_str(name)
     yield
     progress.update()
+
+
+@contextlib.contextmanager
+def waiting(desc: str) -> Iterator[None]:
+    """Show ``desc`` and the time the block has taken, redrawn twice a second (a block with no
+    steps to count, as Dynamo tracing a model); gone when the block ends."""
+    progress = tqdm(desc=desc, bar_format="{desc}: {elapsed}", leave=False, **shown())
+    done = threading.Event()
+
+    def redraw() -> None:
+        while not done.wait(0.5):
+            progress.refresh()
+
+    ticker = threading.Thread(target=redraw, name="fxlora-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        progress.close()

@@ -20,6 +20,7 @@ The runner prepares tensors and runs; the engine decides what.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from fxlora.adapters import NO_ADAPTER
+from fxlora.compiler import progress
 from fxlora.runtime.backend import Backend, tracing_as
 from fxlora.runtime.block_allocator import TRASH_BLOCK, blocks_for
 from fxlora.runtime.cuda_graphs import GraphSet
@@ -286,15 +288,16 @@ class StreamRunner:
         live.logical_and_(~ended)
         return tokens
 
-    def warm_up(self, progress: bool = True) -> None:
+    def warm_up(self, show: bool = True) -> None:
         """Trace the decode step and capture every ``(variant, sampling, bucket)`` graph up
         front, largest bucket first, while no row is live: a first capture during serving
         would run warm-up steps over live rows."""
         keys = [(v, sampling, b) for b in sorted(self.buckets, reverse=True) for v in ("nolora", "lora") for sampling in (False, True)]
         with tracing_as("decode step"):
-            for key in (keys[0], keys[2]):  # nolora, lora: one trace each serves every bucket (rows dynamic)
-                self._decode(key)
-            self.graphs.capture(keys, self._decode, progress=progress)
+            with progress.waiting("fxlora: tracing the stream's decode step") if show else contextlib.nullcontext():
+                for key in (keys[0], keys[2]):  # nolora, lora: one trace each serves every bucket (rows dynamic)
+                    self._decode(key)
+            self.graphs.capture(keys, self._decode, progress=show)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
