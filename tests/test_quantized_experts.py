@@ -69,10 +69,11 @@ def test_quantised_experts_carry_lora(moe, kind):
     torch.testing.assert_close(out[1], base[1], rtol=1e-5, atol=1e-6)
     experts = {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
     assert {fqn for fqn, op in cm.backend.rewritten.items() if op == MOE_LORA} == experts
+    held = {"int8": "Int8Tensor int8", "fp8": "Float8Tensor float8_e4m3fn"}[kind]  # the experts' quantisation, named
     assert (
-        "2 experts module(s) with quantised parameters (model.layers.*.mlp.experts) run fxlora::moe_lora on the "
-        "quantised weights' own GEMMs" in cm.explain()
-    )
+        f"2 experts module(s) with quantised parameters (model.layers.*.mlp.experts: {held}) run fxlora::moe_lora on "
+        "the quantised weights' own GEMMs" in cm.explain()
+    ), cm.explain()
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

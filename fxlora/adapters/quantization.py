@@ -47,6 +47,7 @@ class QuantizedBase:
     modules: tuple[str, ...]
     experts: tuple[str, ...] = ()
     kept_experts: tuple[str, ...] = ()
+    experts_formats: tuple[str, ...] = ()  # how the experts' parameters are held: their tensor classes and dtypes
 
     def describe(self) -> str:
         n = len(self.modules)
@@ -57,8 +58,8 @@ class QuantizedBase:
         )
         if self.experts:
             line += (
-                f"; {len(self.experts)} experts module(s) with quantised parameters ({_patterns(self.experts)}) run "
-                "fxlora::moe_lora on the quantised weights' own GEMMs"
+                f"; {len(self.experts)} experts module(s) with quantised parameters ({_patterns(self.experts)}: "
+                f"{', '.join(self.experts_formats)}) run fxlora::moe_lora on the quantised weights' own GEMMs"
             )
         if self.kept_experts:
             line += (
@@ -162,7 +163,16 @@ def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str
             f"experts {kept[0]!r} hold weights quantised otherwise than by torchao, which keep the model's experts "
             "implementation for every experts module: no experts LoRA can be served in this model"
         )
-    return QuantizedBase(method, tuple(served), tuple(f for f in quantized_experts if f not in kept), kept)
+    formats = sorted({_format(p) for f, ps in quantized_experts.items() if f not in kept for p in ps})
+    return QuantizedBase(method, tuple(served), tuple(f for f in quantized_experts if f not in kept), kept, tuple(formats))
+
+
+def _format(weight: torch.Tensor) -> str:
+    """A quantised parameter as the report names it: its tensor class and the dtype it holds,
+    as ``Float8Tensor float8_e4m3fn``."""
+    inner = next((getattr(weight, n) for n in ("qdata", "int_data", "tensor_impl") if hasattr(weight, n)), None)
+    dtype = getattr(inner, "dtype", None) if isinstance(inner, torch.Tensor) else None
+    return f"{type(weight).__name__} {str(dtype).removeprefix('torch.')}" if dtype is not None else type(weight).__name__
 
 
 def _bitsandbytes_linear(module: torch.nn.Module) -> bool:
