@@ -163,8 +163,6 @@ def _count(name: str, value: Any, least: int) -> int | None:
 def _token_ids(value: int | Sequence[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
     if hasattr(value, "tolist"):  # a tensor of ids
         value = value.tolist()
     if isinstance(value, int):

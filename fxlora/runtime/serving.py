@@ -99,6 +99,7 @@ class Requests:
     def __init__(self, engine: Engine, pool: AdapterPool, model_config: Any, generation_config: Any, vocab_size: int | None):
         self.engine, self.pool = engine, pool
         self.model_config, self.generation_config, self.vocab_size = model_config, generation_config, vocab_size
+
     def make(
         self,
         input_ids: Any,
