@@ -121,3 +121,27 @@ def test_a_seeded_sampled_request_ignores_its_batch_on_cuda():
     prompts, names, news = _requests(9, seed=3)
     mixed = cm.generate_batch([*prompts, prompt], [*names, "b"], max_new_tokens=[*news, 24], **sampled)[-1]
     assert mixed.generated_tokens == alone.generated_tokens
+
+
+def test_serving_turns_do_not_synchronise():
+    """Once warm, a turn (a decode window, the last one's read through an event, admissions and
+    their prefill, sampling rows among them) makes no synchronising CUDA call."""
+    _, _, cm = _served(torch.bfloat16)
+    requests = cm._requests({}, None)
+    engine = requests.engine
+    prompts, names, news = _requests(10, seed=5)
+
+    def run(sync_mode: str) -> None:
+        for i, (prompt, name, new) in enumerate(zip(prompts, names, news)):
+            engine.add(requests.make(prompt, name, new, request_id=f"{sync_mode}{i}", eos_token_id=(),
+                                     do_sample=i % 2 == 1, seed=i))  # fmt: skip
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(sync_mode)
+        try:
+            while engine.has_work:
+                engine.forget(engine.step())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    run("default")  # warm: every prefill shape of this workload captured
+    run("error")
