@@ -14,11 +14,12 @@ from fxlora.errors import (
     NoFreeSlot,
     QuantizationError,
     ShardingError,
+    TraceError,
 )
 from fxlora.runtime import use_adapters
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdapterError", "AdapterWarning", "CompiledModel", "GenerationConfigError", "LoraNotRunError", "NoFreeSlot", "QuantizationError", "ShardingError", "compile", "use_adapters",
+    "AdapterError", "AdapterWarning", "CompiledModel", "GenerationConfigError", "LoraNotRunError", "NoFreeSlot", "QuantizationError", "ShardingError", "TraceError", "compile", "use_adapters",
 ]

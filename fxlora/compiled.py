@@ -29,7 +29,7 @@ from fxlora.compiler.inner import resolve as resolve_inner
 from fxlora.compiler.module_tree import ModuleTree
 from fxlora.errors import AdapterError, NotServed
 from fxlora.runtime import Backend, peft_methods
-from fxlora.runtime.backend import raise_recompile_limit
+from fxlora.runtime.backend import dynamo_errors, raise_recompile_limit
 from fxlora.runtime.engine import Engine
 from fxlora.runtime.explain import report
 from fxlora.runtime.generation import PREFILL_GRAPH_TOKENS, DecodeRuntime
@@ -129,7 +129,7 @@ class CompiledModel(torch.nn.Module):
         with selecting(Selection(names=names, batch=batch, watched=True)) as selection:
             selection.slot_ids(self.pool, self._device)  # resolved once, here: unknown names fail before any work
             shown = progress.waiting(f"fxlora: tracing {type(self.model).__name__} (first call)") if first else nullcontext()
-            with self._backend.lock, shown:
+            with self._backend.lock, shown, dynamo_errors(self.model):
                 out = self._compiled(*args, **kwargs)
             selection.require_adapters()
         return out

@@ -24,6 +24,11 @@ class GenerationConfigError(ValueError):
     the setting and where it came from."""
 
 
+class TraceError(RuntimeError):
+    """Dynamo could not trace or compile the model: the message names Dynamo's reason, the
+    line of the model where it stopped, and the torch version; Dynamo's error is its cause."""
+
+
 class LoraNotRunError(RuntimeError):
     """A row asks for an adapter whose LoRA did not run on a module it targets: that part of
     the model ran outside the compiled graphs (a graph break, or Dynamo giving up on a frame),

@@ -156,3 +156,23 @@ def test_backend_name_resolves_without_importing_fxlora():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["fxlora.runtime.backend", "True"]
+
+
+def test_a_model_dynamo_cannot_trace_gets_fxloras_error_naming_why_and_where():
+    class Printing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = torch.nn.Linear(8, 8)
+
+        def forward(self, input_ids):
+            x = self.q_proj(input_ids.float())
+            print("tracing this stops a full graph")
+            return x
+
+    cm = fxlora.compile(Printing(), fullgraph=True)
+    with pytest.raises(fxlora.TraceError) as info:
+        cm(torch.randn(2, 8))
+    message = str(info.value)
+    assert "could not trace Printing at" in message and f"test_api.py:{Printing.forward.__code__.co_firstlineno + 2}" in message
+    assert torch.__version__ in message and "Unsupported" in message
+    assert isinstance(info.value.__cause__, torch._dynamo.exc.TorchDynamoException)

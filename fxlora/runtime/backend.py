@@ -16,6 +16,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import re
 import threading
 import time
 import weakref
@@ -31,7 +32,7 @@ from fxlora.compiler.arena import Arena
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.inner import resolve as resolve_inner
 from fxlora.compiler.module_tree import ModuleTree
-from fxlora.errors import AdapterError
+from fxlora.errors import AdapterError, TraceError
 from fxlora.passes import Variants, run_pipeline
 from fxlora.runtime import peft_methods
 from fxlora.runtime.cuda_graphs import GraphSet
@@ -273,3 +274,27 @@ def _raising(error: Exception) -> Callable[..., Any]:
         raise error.with_traceback(traceback)
 
     return refuse
+
+
+@contextlib.contextmanager
+def dynamo_errors(model: torch.nn.Module) -> Iterator[None]:
+    """Dynamo's failure to trace or compile ``model`` in the block, raised as a
+    :class:`~fxlora.errors.TraceError` naming why, where in the model, and the torch version."""
+    try:
+        yield
+    except torch._dynamo.exc.TorchDynamoException as e:
+        raise trace_error(e, model) from e
+
+
+def trace_error(error: Exception, model: torch.nn.Module) -> TraceError:
+    text = str(error)
+    reason = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    # the last frame of the user code Dynamo was tracing, past fxlora's own wrapper
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text.partition("from user code:")[2])
+    frames = [f for f in frames if "/fxlora/" not in f[0].replace("\\", "/")] or frames
+    where = f" at {frames[-1][0]}:{frames[-1][1]} (in {frames[-1][2]})" if frames else ""
+    return TraceError(
+        f"torch.compile (Dynamo, torch {torch.__version__}) could not trace {type(model).__name__}{where}: "
+        f"{type(error).__name__}: {reason}. fxlora serves LoRA inside the graphs Dynamo traces; see the cause below, "
+        "and TORCH_LOGS=graph_breaks for where it stopped"
+    )

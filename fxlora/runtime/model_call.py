@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from fxlora.runtime.backend import Backend, raise_recompile_limit
+from fxlora.runtime.backend import Backend, dynamo_errors, raise_recompile_limit
 from fxlora.runtime.kv_cache import cache_keyword
 from fxlora.runtime.routing import use_slots
 
 
 class ModelCall:
     def __init__(self, model: torch.nn.Module, step: Callable[..., Any], backend: Backend):
-        self.step, self.backend = step, backend
+        self.model, self.step, self.backend = model, step, backend
         forward = inspect.signature(model.forward).parameters
         self.extra = {k: v for k, v in (("logits_to_keep", 1), ("cache_position", None)) if k in forward}
         self.cache_keyword = cache_keyword(model)
@@ -47,7 +47,7 @@ class ModelCall:
             for d in dims:
                 if t.shape[d] > 1:
                     torch._dynamo.maybe_mark_dynamic(t, d)
-        with use_slots(slot_ids, batch=ids) as selection:
+        with use_slots(slot_ids, batch=ids) as selection, dynamo_errors(self.model):
             out = self.step(
                 input_ids=ids,
                 position_ids=positions,
