@@ -6,14 +6,17 @@ bad requests that fail alone; the serving loop's API from other threads."""
 from __future__ import annotations
 
 import threading
+from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig
 
 import fxlora
+from fxlora.runtime import runner
+from fxlora.runtime.runner import PREFILL_ALIGN, PREFILL_PADDING, PREFILL_SMALL, prefill_groups
 from fxlora.runtime.serving import Requests
 from fxlora.testing import lora_module_names, make_adapter, peft_model_with, reference_generate, tiny_model
 
@@ -67,6 +70,18 @@ def drive(requests: Requests, arrivals: dict[int, list], cancels: dict[int, list
 
 @given(data=st.data())
 def test_every_request_equals_peft_alone(served, data):
+    check_requests(served, data)
+
+
+@settings(max_examples=10)
+@given(data=st.data())
+def test_every_request_equals_peft_alone_over_prefills_split_by_length(served, data):
+    with mock.patch.object(runner, "PREFILL_SMALL", 0), mock.patch.object(runner, "PREFILL_PADDING", 1.0):
+        check_requests(served, data)
+
+
+def check_requests(served, data) -> None:
+    """Draw requests with arrivals and cancellations; each one's tokens are PEFT's alone."""
     model, _, cm, requests, _ = served
     vocab = model.config.vocab_size
     n = data.draw(st.integers(1, 7), label="requests")
@@ -249,3 +264,15 @@ def test_generate_batch_from_two_threads_each_gets_its_own(served):
     for k in range(2):
         for prompt, name, out in zip(prompts[k], ["a", None], outs[k]):
             assert out.generated_tokens == expected(served, prompt, name, 4, None)
+
+
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=40))
+def test_prefill_groups_take_every_prompt_once_with_bounded_padding(lengths):
+    groups = prefill_groups(lengths)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    longest = [max(lengths[i] for i in group) for group in groups]
+    assert longest == sorted(longest, reverse=True)  # longest first
+    for group in groups:
+        width = -(-max(lengths[i] for i in group) // PREFILL_ALIGN) * PREFILL_ALIGN
+        padded, tokens = len(group) * width, sum(lengths[i] for i in group)
+        assert padded <= max(PREFILL_SMALL, PREFILL_PADDING * tokens)

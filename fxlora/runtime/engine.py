@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxlora.adapters import NO_ADAPTER, AdapterPool
+from fxlora.adapters import AdapterPool
 from fxlora.runtime.pending import Pending
 from fxlora.runtime.plan import Plan
 from fxlora.runtime.runner import StreamRunner
@@ -279,7 +279,7 @@ class Engine:
             rows,
             [s.prompt_ids for s in admitted],
             [s.blocks for s in admitted],
-            uses_adapters=any(s.slot != NO_ADAPTER for s in admitted),
+            [s.slot for s in admitted],
             sampling=any(s.decoding.do_sample for s in admitted),
         )
         self._first = (pending, admitted)

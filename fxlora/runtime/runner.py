@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 MAX_EOS = 16  # end tokens one request may name
 PREFILL_ALIGN = 8  # an eager prefill's length is a multiple of this: Inductor's code guards on (length % 8)
+PREFILL_PADDING = 1.25  # a prefill's padded tokens over its prompts' tokens, at most (see prefill_groups)
+PREFILL_SMALL = 512  # tokens under which a prefill takes prompts whatever their padding
 
 
 class StreamRunner:
@@ -157,15 +159,33 @@ class StreamRunner:
 
     # -- prefill ---------------------------------------------------------------------------
     def prefill(
-        self, rows: list[int], prompts: list[list[int]], blocks: list[list[int]], uses_adapters: bool, sampling: bool
+        self, rows: list[int], prompts: list[list[int]], blocks: list[list[int]], slots: list[int], sampling: bool
     ) -> Pending:
         """Run the prompts of the requests just placed in ``rows`` and start them: their keys
         and values go into their blocks, their first tokens are picked and fed next, and the
         rows become live (or end at once: an end token, or a single new token asked for).
-        ``sampling``: whether any of them samples. Returns the first tokens, on their way to
+        The prompts run in groups of similar lengths (:func:`prefill_groups`), so that little
+        of a prefill is padding. ``slots``: the rows' adapter slots; ``sampling``: whether any
+        of them samples. Returns the first tokens in the order of ``rows``, on their way to
         the host."""
+        order, firsts = [], []
+        for group in prefill_groups([len(p) for p in prompts]):
+            order += group
+            take = lambda values: [values[i] for i in group]  # noqa: E731, B023
+            adapters = any(slot != NO_ADAPTER for slot in take(slots))
+            firsts.append(self._prefill_group(take(rows), take(prompts), take(blocks), adapters, sampling))
+        tokens = torch.cat(firsts)
+        if order != sorted(order):  # back in the order of rows
+            position = {i: p for p, i in enumerate(order)}
+            tokens = tokens.index_select(0, self._index([position[i] for i in range(len(order))]))
+        return Pending.of(tokens[None])
+
+    def _prefill_group(
+        self, rows: list[int], prompts: list[list[int]], blocks: list[list[int]], uses_adapters: bool, sampling: bool
+    ) -> torch.Tensor:
+        """One prefill of ``prompts``, left-padded to the longest; their first tokens."""
         n, longest = len(rows), max(map(len, prompts))
-        shape = self._prefill_shape(n, longest)
+        shape = self._prefill_shape(n, longest, sum(map(len, prompts)))
         # eagerly, one row as two (Dynamo specialises 1), and a length Inductor's alignment guards admit
         prefill_rows, length = shape or (n + int(n == 1), -(-longest // PREFILL_ALIGN) * PREFILL_ALIGN)
         ids = torch.zeros(prefill_rows, length, dtype=torch.long)
@@ -196,8 +216,7 @@ class StreamRunner:
             else:
                 inputs = {k: _to_device(v, self.device) for k, v in inputs.items()}
                 logits = self._prefill(inputs["ids"], inputs["keep"], inputs["slots"], slot_ids)
-        tokens = self._start(rows, logits[:n], [len(p) for p in prompts], sampling)
-        return Pending.of(tokens[None])
+        return self._start(rows, logits[:n], [len(p) for p in prompts], sampling)
 
     def _prefill_graph(self, key: tuple) -> torch.Tensor:
         _, variant, rows, length = key
@@ -215,13 +234,17 @@ class StreamRunner:
         dynamic = [(slots, (0,)), (mask, (3,)), *self._pages]  # the mask spans the prompts' columns only
         return self.model_call(self.cache, ids, positions, mask, columns, slot_ids, dynamic=dynamic)
 
-    def _prefill_shape(self, rows: int, longest: int) -> tuple[int, int] | None:
-        """The ``(rows, length)`` bucket a prefill replays from a CUDA graph at, or None (eager)."""
+    def _prefill_shape(self, rows: int, longest: int, tokens: int) -> tuple[int, int] | None:
+        """The ``(rows, length)`` bucket a prefill of ``tokens`` prompt tokens replays from a
+        CUDA graph at, or None (eager): a graph's shape pads the rows to a batch bucket and the
+        length to a power of two, so it is taken where its tokens stay within
+        ``prefill_graph_tokens`` and its padding within the bound :func:`prefill_groups` keeps."""
         if not self.graphs.enabled:
             return None
         length = max(PREFILL_MIN_LENGTH, 1 << (longest - 1).bit_length())
         bucket = max(self.bucket_for(rows), min(2, self.max_rows))
-        if bucket * length > self.prefill_graph_tokens:
+        padded = bucket * length
+        if padded > self.prefill_graph_tokens or (padded > PREFILL_SMALL and padded > PREFILL_PADDING * tokens):
             return None
         return bucket, length
 
@@ -298,6 +321,24 @@ class StreamRunner:
                 for key in (keys[0], keys[2]):  # nolora, lora: one trace each serves every bucket (rows dynamic)
                     self._decode(key)
             self.graphs.capture(keys, self._decode, progress=show)
+
+
+def prefill_groups(lengths: list[int]) -> list[list[int]]:
+    """The prompts of one admission (by their ``lengths``) split into prefills: longest first,
+    each prefill taking the next prompts while its padding stays within
+    :data:`PREFILL_PADDING` of its tokens, or it is small (:data:`PREFILL_SMALL` tokens), where
+    a launch costs more than padding. Returns lists of indices into ``lengths``."""
+    groups: list[list[int]] = []
+    tokens = width = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        padded = (len(groups[-1]) + 1) * width if groups else 0
+        if groups and (padded <= PREFILL_SMALL or padded <= PREFILL_PADDING * (tokens + lengths[i])):
+            groups[-1].append(i)
+            tokens += lengths[i]
+        else:
+            groups.append([i])
+            tokens, width = lengths[i], -(-lengths[i] // PREFILL_ALIGN) * PREFILL_ALIGN
+    return groups
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
