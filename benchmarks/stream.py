@@ -92,10 +92,12 @@ def run_system(system: str, model_name: str, requests: int, count: int) -> dict:
             cm.generate_batch(prompts, names, max_new_tokens=news, eos_token_id=(), progress_bar=False)
             result["warm_up_s"] = time.perf_counter() - start - result["setup_s"]
             torch.cuda.synchronize()
+            timeline = Timeline(cm._engine[1])
             begin = time.perf_counter()
             outs = cm.generate_batch(prompts, names, max_new_tokens=news, eos_token_id=(), progress_bar=False)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - begin
+            result["breakdown"] = timeline.report(seconds)
             assert all(len(o.generated_tokens) == n for o, n in zip(outs, news)), "a request made fewer tokens than asked"
             ttft = [o.first_token_time - begin for o in outs]
             tpot = [(o.finished_time - o.first_token_time) / (len(o.generated_tokens) - 1) for o in outs if len(o.generated_tokens) > 1]
@@ -110,6 +112,52 @@ def run_system(system: str, model_name: str, requests: int, count: int) -> dict:
         result["setup_s"] = result.pop("warm_up_s")
     result["peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20
     return result
+
+
+class Timeline:
+    """Where a stream's time goes: the device time of its decode windows and of its prefills
+    (CUDA events, read once at the end), the host time of its turns, and what they held."""
+
+    def __init__(self, engine) -> None:
+        self.windows, self.prefills, self.turns = [], [], []
+        self.steps = self.row_steps = self.prefill_tokens = self.prefill_rows = 0
+        runner = engine.runner
+        decode, prefill, step = runner.decode, runner._prefill_group, engine.step
+
+        def timed(events, fn, *args):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args)
+            end.record()
+            events.append((start, end))
+            return out
+
+        def on_decode(rows, steps, *args):
+            self.steps, self.row_steps = self.steps + steps, self.row_steps + rows * steps
+            return timed(self.windows, decode, rows, steps, *args)
+
+        def on_prefill(rows, prompts, *args):
+            self.prefill_rows += len(rows)
+            self.prefill_tokens += sum(map(len, prompts))
+            return timed(self.prefills, prefill, rows, prompts, *args)
+
+        def on_step(*args, **kwargs):
+            start = time.perf_counter()
+            out = step(*args, **kwargs)
+            self.turns.append(time.perf_counter() - start)
+            return out
+
+        runner.decode, runner._prefill_group, engine.step = on_decode, on_prefill, on_step
+
+    def report(self, seconds: float) -> dict:
+        ms = lambda events: sum(s.elapsed_time(e) for s, e in events)  # noqa: E731
+        return {
+            "decode_windows": len(self.windows), "decode_steps": self.steps, "mean_rows": self.row_steps / max(self.steps, 1),
+            "decode_gpu_s": ms(self.windows) / 1e3, "decode_step_ms": ms(self.windows) / max(self.steps, 1),
+            "prefills": len(self.prefills), "prefill_rows": self.prefill_rows, "prefill_tokens": self.prefill_tokens,
+            "prefill_gpu_s": ms(self.prefills) / 1e3, "turns": len(self.turns), "host_turn_s": sum(self.turns),
+            "other_s": seconds - (ms(self.windows) + ms(self.prefills)) / 1e3,
+        }  # fmt: skip
 
 
 def _token_bytes(model: torch.nn.Module) -> int:
