@@ -17,12 +17,14 @@ The stream (stream.py's method): ``--requests`` seeded requests, prompts of 32-5
 ``cm.generate_batch`` (128 rows, a paged KV cache of 128 x 1024 tokens). Request ``i`` names its
 adapter Zipf-like (``p(rank k) ~ k^-1.1``, ranks mapped to adapters by a seeded permutation) or
 uniformly: the same draws in every process. Prefills run eagerly by default
-(``--prefill-graph-tokens 0``: no per-shape captures, to keep the call short). Each distribution runs
-once as a warm-up (compiles; it also leaves the slots as a stream leaves them), then timed: useful
-tok/s, and TTFT from submission split into requests whose adapter was copied in from the host when
-they were admitted (not in a slot as the admitting turn began, or paged in during it; recorded by
-wrapping the scheduler's ``admit`` and the pool's ``acquire`` in this process) and the others; the
-ratio is useful tok/s over that of the process with every adapter resident, same distribution.
+(``--prefill-graph-tokens 0``: no per-shape captures, to keep the call short; an eager prefill costs
+the host more, and a tiered stream admits in more turns, ``admitting_turns``: 4096, stream.py's
+setting, is closer to serving). Each distribution runs once as a warm-up (compiles; it also leaves
+the slots as a stream leaves them), then timed: useful tok/s, and TTFT from submission split into
+requests whose adapter was copied in from the host when they were admitted (not in a slot as the
+admitting turn began, or paged in during it; recorded by wrapping the scheduler's ``admit`` and the
+pool's ``acquire`` in this process) and the others; the ratio is useful tok/s over that of the
+process with every adapter resident, same distribution.
 
 Decode steps (before the stream): rows 0..n-1 of the stream's runner set up as the engine places
 admitted rows (no prefill: the cache holds whatever its blocks hold), at 512 tokens of context, their
