@@ -55,14 +55,29 @@ def test_join_lays_members_out_as_slices_and_loads_reach_the_group(model_and_poo
 
 def test_join_refuses_what_cannot_be_joined(model_and_pool):
     _, pool = model_and_pool
-    pool.targets["model.layers.1.self_attn.q_proj"].wired = True  # a graph reads it alone
-    layer1 = tuple(f"model.layers.1.self_attn.{p}_proj" for p in "qkv")
-    with pytest.raises(NotServed, match="already served on its own"):
-        pool.join(layer1)
-    assert isinstance(pool.join(QKV), PoolGroup)
-    with pytest.raises(NotServed, match="another group"):
-        pool.join(QKV[:2])
+    attention = "model.layers.0.self_attn"
+    with pytest.raises(NotServed, match="not neighbours"):
+        pool.join((f"{attention}.q_proj", f"{attention}.v_proj"))  # k_proj lies between them
+    with pytest.raises(NotServed, match="not neighbours"):
+        pool.join(QKV[::-1])
     mixed = ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj")  # different input widths
     with pytest.raises(NotServed, match="input width"):
         pool.join(mixed)
-    assert set(pool.groups) == {QKV}
+    with pytest.raises(NotServed, match="different layers"):
+        pool.join(("model.layers.0.mlp.up_proj", "model.layers.1.self_attn.q_proj"))
+    assert pool.groups == {}
+
+
+def test_joins_share_the_members_tensors_whatever_was_built_first(model_and_pool):
+    """A graph that reads a member alone and one that reads its group read the same memory,
+    in either order, and overlapping groups too: nothing moves when a group is made."""
+    model, pool = model_and_pool
+    members = [pool.targets[f] for f in QKV]
+    alone = [(m.lora_a.data_ptr(), m.lora_b.data_ptr()) for m in members]
+    whole, pair = pool.join(QKV), pool.join(QKV[1:])
+    assert [(m.lora_a.data_ptr(), m.lora_b.data_ptr()) for m in members] == alone
+    assert whole.lora_a.data_ptr() == members[0].lora_a.data_ptr()
+    assert pair.lora_a.data_ptr() == members[1].lora_a.data_ptr() and pair.lora_b.data_ptr() == members[1].lora_b.data_ptr()
+    slot = pool.load(adapter(model, "late", 2, 4, ["k_proj", "v_proj"]))
+    assert torch.equal(pair.lora_a[slot], whole.lora_a[slot, 8:])
+    assert pair.rank.view(3, 2)[slot].tolist() == [4, 4] and whole.rank.view(3, 3)[slot].tolist() == [0, 4, 4]

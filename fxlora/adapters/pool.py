@@ -2,7 +2,8 @@
 
 For each target module the pool holds ``lora_a[slots, max_rank, in]``,
 ``lora_b[slots, out, max_rank]``, a float32 ``scaling[slots]`` and an int32 ``rank[slots]``,
-allocated once. A slot whose adapter does not touch the module has rank 0 and scaling 0;
+allocated once (the linear targets of one layer that read inputs of one width as slices of
+joint tensors, :class:`Stack`, which lets neighbours be served as one group). A slot whose adapter does not touch the module has rank 0 and scaling 0;
 ranks below ``max_rank`` are zero-padded. Slot id ``-1`` means "no adapter". Loading copies
 into a free slot in place, so the tensors keep their addresses: compiled graphs read them
 directly and never need a retrace or recapture.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -164,15 +166,21 @@ def _sharding(weight: torch.Tensor, out_dim: int, in_dim: int, experts_dim: int 
 class PoolTarget:
     """The stacked LoRA factors of one module."""
 
-    def __init__(self, fqn: str, info: ModuleInfo, slots: int, max_rank: int):
-        self.fqn, self.info = fqn, info
-        kw = dict(dtype=info.dtype, device=info.device)
-        per_expert = (info.experts,) if info.kind == "experts" else ()  # (slots, [experts,] ...)
-        self.lora_a = torch.zeros(slots, *per_expert, max_rank, info.in_features, **kw)
-        self.lora_b = torch.zeros(slots, *per_expert, info.out_features, max_rank, **kw)
+    def __init__(self, fqn: str, info: ModuleInfo, slots: int, max_rank: int, stack: Stack | None = None):
+        """``stack``: the joint tensors whose slices hold this linear target's factors; else
+        they are its own."""
+        self.fqn, self.info, self.stack = fqn, info, stack
+        if stack is not None:
+            i, row = stack.fqns.index(fqn), stack.rows[stack.fqns.index(fqn)]
+            self.lora_a = stack.lora_a[:, i * max_rank : (i + 1) * max_rank]
+            self.lora_b = stack.lora_b[:, row : row + info.out_features]
+        else:
+            kw = dict(dtype=info.dtype, device=info.device)
+            per_expert = (info.experts,) if info.kind == "experts" else ()  # (slots, [experts,] ...)
+            self.lora_a = torch.zeros(slots, *per_expert, max_rank, info.in_features, **kw)
+            self.lora_b = torch.zeros(slots, *per_expert, info.out_features, max_rank, **kw)
         self.scaling = torch.zeros(slots, dtype=torch.float32, device=info.device)
         self.rank = torch.zeros(slots, dtype=torch.int32, device=info.device)
-        self.wired = False  # a graph reads these tensors: their addresses must not change
 
     @property
     def nbytes(self) -> int:
@@ -199,32 +207,70 @@ class PoolTarget:
         self.scaling[slot], self.rank[slot] = factors.scaling, r
 
 
-class PoolGroup:
-    """Linear targets that read the same input, served by one multi-slice LoRA launch.
+@dataclass(eq=False)
+class Stack:
+    """The linear targets of one layer that read inputs of one width, their factors side by side
+    in joint tensors from registration on, in registration order but for each block's last
+    linear, which goes after the others (:func:`_outputs`): ``lora_a[slots, n * max_rank, in]`` stacks each
+    member's rank rows, ``lora_b[slots, sum(out), max_rank]`` each member's output rows (the
+    first at ``rows[i]``). Any run of neighbours is then served as one group (:class:`PoolGroup`)
+    as views of these tensors, so a graph that reads a member alone and one that reads the
+    group read the same memory, whichever was built first."""
 
-    The members' factors move into joint tensors and each member's ``lora_a`` / ``lora_b``
-    become views of them, so loading an adapter into the members writes the group too:
-    ``lora_a[slots, n * max_rank, in]`` stacks each member's rank rows, ``lora_b[slots,
-    sum(out), max_rank]`` each member's output rows. ``scaling`` and ``rank`` hold one value
-    per (slot, member), slot-major, copied from the members after every write."""
+    fqns: tuple[str, ...]
+    rows: tuple[int, ...]
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
+    @staticmethod
+    def of(members: list[tuple[str, ModuleInfo]], slots: int, max_rank: int) -> Stack:
+        info = members[0][1]
+        widths = [m.out_features for _, m in members]
+        rows = tuple(sum(widths[:i]) for i in range(len(widths)))
+        kw = dict(dtype=info.dtype, device=info.device)
+        lora_a = torch.zeros(slots, len(members) * max_rank, info.in_features, **kw)
+        lora_b = torch.zeros(slots, sum(widths), max_rank, **kw)
+        return Stack(tuple(fqn for fqn, _ in members), rows, lora_a, lora_b)
+
+
+def stack_key(fqn: str, info: ModuleInfo) -> tuple | None:
+    """Which stack a target's factors join: linear targets of one layer (the name up to its
+    last layer number) and one input width, dtype and device; None for others."""
+    if info.kind != "linear":
+        return None
+    layer = re.match(r"(.*\.\d+)\.", fqn)
+    return (layer[1] if layer else "", info.in_features, info.dtype, info.device)
+
+
+def _outputs(modules: dict[str, ModuleInfo]) -> set[str]:
+    """The last linear of each module that holds several (an attention's output projection, an
+    MLP's down projection): it reads what its block computed, not the input its siblings
+    share, so a :class:`Stack` puts it after them."""
+    last: dict[str, list[str]] = {}
+    for fqn, info in modules.items():
+        if info.kind == "linear":
+            last.setdefault(fqn.rpartition(".")[0], []).append(fqn)
+    return {fqns[-1] for fqns in last.values() if len(fqns) > 1}
+
+
+class PoolGroup:
+    """Neighbouring linear targets of one :class:`Stack` that read the same input, served by
+    one multi-slice LoRA launch: ``lora_a`` and ``lora_b`` are the stack's slices of them, and
+    ``scaling`` and ``rank`` hold one value per (slot, member), slot-major, copied from the
+    members after every write."""
 
     def __init__(self, members: list[PoolTarget]):
         self.members = members
         self.fqns = tuple(m.fqn for m in members)
         self.fqn = "+".join(self.fqns)  # names the group's buffers in a graph
-        self.wired = False
         self.widths = tuple(m.info.out_features for m in members)
-        first = members[0]
+        first, stack = members[0], members[0].stack
         slots, max_rank = first.lora_a.shape[:2]
-        self.lora_a = torch.cat([m.lora_a for m in members], dim=1)
-        self.lora_b = torch.cat([m.lora_b for m in members], dim=1)
+        i, row = stack.fqns.index(first.fqn), stack.rows[stack.fqns.index(first.fqn)]
+        self.lora_a = stack.lora_a[:, i * max_rank : (i + len(members)) * max_rank]
+        self.lora_b = stack.lora_b[:, row : row + sum(self.widths)]
         self.scaling = torch.zeros(slots * len(members), dtype=torch.float32, device=first.info.device)
         self.rank = torch.zeros(slots * len(members), dtype=torch.int32, device=first.info.device)
-        row = 0
-        for i, m in enumerate(members):
-            m.lora_a = self.lora_a[:, i * max_rank : (i + 1) * max_rank]
-            m.lora_b = self.lora_b[:, row : row + m.info.out_features]
-            row += m.info.out_features
         for slot in range(slots):
             self.refresh(slot)
 
@@ -324,13 +370,21 @@ class AdapterPool:
             self._size_slots(new)
         self.modules.update(new)
         self.complete = self.complete or complete
-        for fqn, info in new.items():
-            users = [a for a in self.adapters.values() if fqn in a.modules]
-            if self.wants(fqn, info):
-                self.targets[fqn] = target = PoolTarget(fqn, info, self.max_loras, self.max_rank)
-                for adapter in users:
-                    if adapter.name in self.slot_of:
-                        target.write(self.slot_of[adapter.name], self._factors(adapter.name))
+        wanted = {fqn: info for fqn, info in new.items() if self.wants(fqn, info)}
+        stacked: dict[tuple, list[tuple[str, ModuleInfo]]] = {}
+        outputs = _outputs(new)
+        for fqn, info in sorted(wanted.items(), key=lambda item: item[0] in outputs):  # stable
+            if (key := stack_key(fqn, info)) is not None:
+                stacked.setdefault(key, []).append((fqn, info))
+        stack_of = {}
+        for members in stacked.values():
+            stack = Stack.of(members, self.max_loras, self.max_rank)
+            stack_of.update(dict.fromkeys(stack.fqns, stack))
+        for fqn, info in wanted.items():
+            self.targets[fqn] = target = PoolTarget(fqn, info, self.max_loras, self.max_rank, stack_of.get(fqn))
+            for adapter in self.adapters.values():
+                if fqn in adapter.modules and adapter.name in self.slot_of:
+                    target.write(self.slot_of[adapter.name], self._factors(adapter.name))
         for name in self.host:  # adapters registered before their modules: in pinned memory now, if on CUDA
             self.adapters[name] = self._pinned(self.adapters[name])
         for name in list(self.adapters):  # and in the slots the memory budget gave, as many as fit
@@ -407,27 +461,29 @@ class AdapterPool:
                 )
 
     def join(self, fqns: Sequence[str]) -> PoolGroup:
-        """The group of linear targets ``fqns`` (in this order), joined on first request.
-        Raises :class:`NotServed`, saying why, when they cannot be: a target that a graph
-        already reads on its own, or that belongs to another group, keeps its tensors."""
+        """The group of linear targets ``fqns`` (in this order), made on first request.
+        Raises :class:`NotServed`, saying why, when they cannot be one: they are not neighbours
+        of one :class:`Stack`, in its order."""
         with self._lock:  # a graph built during a call joins while loads may write
-            return self._join(fqns)
-
-    def _join(self, fqns: Sequence[str]) -> PoolGroup:
-        key = tuple(fqns)
-        if key in self.groups:
+            key = tuple(fqns)
+            if key not in self.groups:
+                self.groups[key] = PoolGroup(self._neighbours(key))
             return self.groups[key]
-        members = [self.targets[f] for f in key]
-        for m in members:
-            if m.wired:
-                raise NotServed(f"{m.fqn} is already served on its own by a compiled graph")
-            if any(m.fqn in g.fqns for g in self.groups.values()):
-                raise NotServed(f"{m.fqn} already belongs to another group")
-        shape = lambda info: (info.kind, info.in_features, info.dtype, info.device)  # noqa: E731
-        if any(shape(m.info) != ("linear", *shape(members[0].info)[1:]) for m in members):
+
+    def _neighbours(self, fqns: tuple[str, ...]) -> list[PoolTarget]:
+        members = [self.targets[f] for f in fqns]
+        keys = {stack_key(m.fqn, m.info) for m in members}
+        if None in keys or len({key[1:] for key in keys}) > 1:
             raise NotServed("the modules differ in kind, input width, dtype or device")
-        self.groups[key] = group = PoolGroup(members)
-        return group
+        if len(keys) > 1:
+            raise NotServed("they lie in different layers")
+        if len({id(m.stack) for m in members}) > 1:
+            raise NotServed("they were registered apart (from different graphs)")
+        order = members[0].stack.fqns
+        start = order.index(fqns[0])
+        if order[start : start + len(fqns)] != fqns:
+            raise NotServed(f"they are not neighbours in the pool's order ({', '.join(order)})")
+        return members
 
     # -- adapters ------------------------------------------------------------------------
     def load(

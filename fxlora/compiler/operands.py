@@ -40,7 +40,6 @@ def pool_nodes(gm: fx.GraphModule, target: PoolTarget | PoolGroup) -> list[fx.No
     ``gm``, so in-place adapter loads reach the graph: persistent ones, as a set of names of
     non-persistent buffers would enter AOTAutograd's cache key in an order that changes from one
     process to the next."""
-    target.wired = True
     stem = "fxlora_" + re.sub(r"\W", "_", target.fqn)
     nodes = []
     for field in ("lora_a", "lora_b", "scaling", "rank"):

@@ -9,7 +9,7 @@ layer) makes one set per application, each the same group of the pool; a set of 
 
 Emits, for each set, one ``fxlora::lora_linear_fused`` that returns each member's own output,
 and a ``getitem`` per member that the member's users read: every member keeps its GEMM, and
-its factors are one slice of the multi-slice layout, which the pool joins them into
+its factors are one slice of the multi-slice layout the pool holds neighbouring linears in
 (:meth:`AdapterPool.join`), so one shrink and one expand serve them all where each would
 launch its own. A parameter read a member's weight needs (through casts or a DTensor's
 ``to_local``) moves up before the op. Records the groups it served.
