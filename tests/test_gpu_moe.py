@@ -14,7 +14,7 @@ from peft import LoraConfig
 
 import fxlora
 from fxlora.ops import batch_info
-from fxlora.ops.moe_lora import moe_lora, moe_lora_composed
+from fxlora.ops.moe_lora import ExpertsLayout, moe_lora, moe_lora_composed
 from fxlora.testing import assert_matches_peft, make_adapter, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -47,7 +47,7 @@ def _routing(tokens, experts, top_k, gen, dtype):
 
 def _call(fn, x, idx, w, p, slot_ids, slots=4):
     token_slot = batch_info(slot_ids, x, 1, slots)[0]
-    return fn(x, idx, w, p["up"], None, p["down"], None, p["up_lora"], p["down_lora"], token_slot, False, "glu", "silu", 0.0, 0.0)
+    return fn(x, idx, w, p["up"], None, p["down"], None, p["up_lora"], p["down_lora"], token_slot, ExpertsLayout(False, "glu", "silu").spec)
 
 
 def _reference(x, idx, w, p, slot_ids):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from lora_cases import nan_workspace
 
 from fxlora.ops import batch_info
-from fxlora.ops.moe_lora import GATES, moe_lora, moe_lora_composed
+from fxlora.ops.moe_lora import GATE_PARAMS, GATES, ExpertsLayout, moe_lora, moe_lora_composed
 
 pytest.importorskip("fxlora.kernels.sgmv")
 
@@ -32,6 +32,14 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
     if dtype != torch.float32:
         tol["atol"] *= max(1.0, want.abs().max().item())
     torch.testing.assert_close(got.float().cpu(), want.float(), **tol)
+
+
+PARAMS = {"alpha": 1.702, "limit": 7.0, "gate_cap": 1.702, "up_cap": 7.0}
+
+
+def layout(gate: str, transposed: bool) -> str:
+    """The op's layout operand for ``gate``, with GPT-OSS's parameters where it takes some."""
+    return ExpertsLayout(transposed, gate, "silu", tuple(PARAMS[p] for p in GATE_PARAMS[gate])).spec
 
 
 def make_case(gen, tokens, top_k, experts, hidden, inter, slots, max_rank, ranks, gate, transposed, bias, dtype):
@@ -66,7 +74,7 @@ def run(fn, case, slot_ids, slots, gate, transposed, lora_on):
     token_slot = batch_info(slot_ids.to(DEVICE), device_case[0], 1, slots)[0]
     module = sys.modules[moe_lora_composed.__module__]  # the shrink's scratch as a graph may hand it over
     with mock.patch.object(module, "lora_workspace", nan_workspace):
-        return fn(*device_case, *lora, token_slot, transposed, gate, "silu", 1.702, 7.0)
+        return fn(*device_case, *lora, token_slot, layout(gate, transposed))
 
 
 @settings(deadline=None)
@@ -109,7 +117,7 @@ def _reference(case, slot_ids, slots, gate, transposed, lora_on):
         for on, factors in zip(lora_on, (up_lora, down_lora))
     ]
     token_slot = batch_info(slot_ids, f32[0], 1, slots)[0]
-    return moe_lora(*f32, *lora, token_slot, transposed, gate, "silu", 1.702, 7.0)
+    return moe_lora(*f32, *lora, token_slot, layout(gate, transposed))
 
 
 @pytest.mark.parametrize("mix", ["none", "mixed", "one"])
@@ -134,7 +142,7 @@ def test_absent_projection_is_an_empty_bundle():
     x, index, weights, up, up_b, down, down_b, _, down_lora = case
     lora = [[], list(down_lora)]
     token_slot = batch_info(torch.tensor([0, -1, 1, 0, 1], dtype=torch.int32), x, 1, 2)[0]
-    args = (x, index, weights, up, up_b, down, down_b, *lora, token_slot, False, "glu", "silu", 0.0, 0.0)
+    args = (x, index, weights, up, up_b, down, down_b, *lora, token_slot, layout("glu", False))
     torch.library.opcheck(torch.ops.fxlora.moe_lora.default, args, test_utils=("test_schema", "test_faketensor"))
 
 

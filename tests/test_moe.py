@@ -268,7 +268,7 @@ def test_the_region_probe_checks_the_op_against_the_modules_forward(family):
     layout = choose_layout(module)
     prove_region(module, layout, traced, bundle, [])
     wrong = [dataclasses.replace(layout, transposed=not layout.transposed)]
-    wrong += [dataclasses.replace(layout, act="gelu")] if layout.act else [dataclasses.replace(layout, alpha=1.0)]
+    wrong += [dataclasses.replace(layout, act="gelu")] if layout.act else [dataclasses.replace(layout, params=(1.0, *layout.params[1:]))]
     for bad in wrong:
         with pytest.raises(NotServed, match=rf"differs from {type(module).__name__}.forward|does not run"):
             prove_region(module, bad, traced, bundle, [])

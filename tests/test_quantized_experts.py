@@ -110,7 +110,7 @@ def test_the_op_on_quantised_experts_traces_its_computation(moe):
 
     def experts_call(hidden, index, weights, up, down):
         no_adapter = torch.full((hidden.shape[0],), -1, dtype=torch.int32)
-        return torch.ops.fxlora.moe_lora(hidden, index, weights, up, None, down, None, [], [], no_adapter, **layout)
+        return torch.ops.fxlora.moe_lora(hidden, index, weights, up, None, down, None, [], [], no_adapter, layout)
 
     eager = experts_call(hidden, index, weights, up, down)
     traced = torch.compile(experts_call, backend="aot_eager", fullgraph=True)(hidden, index, weights, up, down)

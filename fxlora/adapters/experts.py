@@ -23,13 +23,12 @@ Adapter formats, all turned into ``LoraFactors("experts", a (E_a, r, in), b (E_b
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import torch
 
 from fxlora.adapters.peft_format import LoraFactors
-from fxlora.errors import AdapterError, NotServed
+from fxlora.errors import AdapterError
 
 PER_EXPERT_NAMES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 PER_EXPERT_KEY = re.compile(r"^(?P<experts>.+)\.(?P<e>\d+)\.(?P<proj>[a-z_0-9]+)$")
@@ -59,110 +58,12 @@ def experts_biases(module: torch.nn.Module) -> tuple[torch.Tensor | None, torch.
     return getattr(module, f"{up_name(module)}_bias"), module.down_proj_bias
 
 
-@dataclasses.dataclass(frozen=True)
-class ExpertsLayout:
-    """How ``fxlora::moe_lora`` computes an experts module: its layout scalars, named as the
-    op's schema names them (the ``lora_moe`` pass hands them over by name)."""
-
-    transposed: bool  # weights stored (E, in, out)
-    gate: str  # one of fxlora.ops.moe_lora.GATES
-    act: str  # a transformers activation name ("" for GPT-OSS's built-in gate)
-    alpha: float = 0.0  # GPT-OSS's gate: sigmoid(alpha · gate); glu_softcapped: the gate's softcap
-    limit: float = 0.0  # the clamped gates' limit; glu_softcapped: the up half's softcap
-
-
-def layouts(module: torch.nn.Module) -> list[ExpertsLayout]:
-    """The layouts ``fxlora::moe_lora`` knows that these experts may have, most likely first,
-    read from what the module holds: its flags, its own activation (``act_fn``, not the
-    config's ``hidden_act``, which a class may ignore) and its clamp parameters. None is
-    taken on trust: the compiler keeps the one that computes as the module does. Raises
-    :class:`NotServed` when the module has nothing the op could compute."""
-    if getattr(module, "has_post_expert_norm", False):
-        raise NotServed("a norm after each expert (has_post_expert_norm) is not supported")
-    transposed = bool(module.is_transposed)
-    alpha = _number(module, "alpha", "swiglu_alpha")
-    limit = _number(module, "limit", "swiglu_limit")
-    act_fn = getattr(module, "act_fn", None)
-    if act_fn is not None:
-        named = activation_name(act_fn)
-        acts = [named] if named is not None else []
-    else:  # a gate that calls its activation itself (HY-V4's F.silu): any the op knows
-        acts = list(_activations())
-    candidates: list[ExpertsLayout] = []
-    if not module.has_gate:
-        candidates += [ExpertsLayout(transposed, "act", a) for a in acts]
-    elif module.is_concatenated:
-        candidates += [ExpertsLayout(transposed, "glu", a) for a in acts]
-        caps = [_number(getattr(act_fn, n, None), "softcap") for n in ("gate_softcap", "up_softcap")]
-        if all(caps):  # a SwiGLU with soft-capped factors (Inkling2)
-            candidates.append(ExpertsLayout(transposed, "glu_softcapped", "", *caps))
-        if limit is not None:
-            candidates += [ExpertsLayout(transposed, "glu_clamped", a, limit=limit) for a in acts]
-            if alpha is not None:
-                candidates.append(ExpertsLayout(transposed, "glu_concatenated_clamped", "", alpha, limit))
-    elif alpha is not None and limit is not None:
-        candidates.append(ExpertsLayout(transposed, "glu_interleaved_clamped", "", alpha, limit))
-    if not candidates:
-        raise NotServed(f"its gate ({gate_name(module)}) is not one fxlora::moe_lora knows")
-    return candidates
-
-
 def gate_name(module: torch.nn.Module) -> str:
     """The code that gates these experts, for messages."""
     cls = type(module).__name__
     act = getattr(module, "act_fn", None)
     act = f", act_fn {getattr(act, '__name__', type(act).__name__)}" if act is not None else ""
     return f"{cls}._apply_gate{act}" if module.has_gate else f"{cls}.act_fn{act}"
-
-
-def activation_name(fn) -> str | None:
-    """The ``transformers`` activation name (``ACT2FN``) computing what ``fn`` computes, or None.
-    Same-class entries are tried first; an entry counts when it agrees with ``fn`` on a fixed
-    spread of float64 values (``gelu`` and ``gelu_new`` differ there by 1e-3; aliases such as
-    ``silu`` / ``swish`` agree bit for bit)."""
-    x = torch.linspace(-12.0, 12.0, 97, dtype=torch.float64)
-    try:
-        with torch.no_grad():
-            want = fn(x)
-    except (RuntimeError, TypeError, ValueError):  # not a one-argument elementwise function
-        return None
-    if not isinstance(want, torch.Tensor) or want.shape != x.shape:
-        return None
-    names = sorted(_activations(), key=lambda n: type(_activations()[n]) is not type(fn))
-    for name in names:
-        with torch.no_grad():
-            got = _activations()[name](x)
-        if torch.allclose(got, want, rtol=1e-9, atol=1e-12):
-            return name
-    return None
-
-
-_ACTIVATIONS: dict[str, torch.nn.Module] = {}
-
-
-def _activations() -> dict[str, torch.nn.Module]:
-    """One instance of every parameter-free ``ACT2FN`` activation (learned ones, PReLU's and
-    xIELU's, cannot stand for a module's own)."""
-    if not _ACTIVATIONS:
-        from transformers.activations import ACT2FN
-        from transformers.utils import logging
-
-        verbosity = logging.get_verbosity()
-        logging.set_verbosity_error()  # xIELU warns, on being made, that its CUDA kernel is absent
-        try:
-            made = {name: ACT2FN[name] for name in ACT2FN}
-        finally:
-            logging.set_verbosity(verbosity)
-        _ACTIVATIONS.update({n: fn for n, fn in made.items() if not any(True for _ in fn.parameters())})
-    return _ACTIVATIONS
-
-
-def _number(module: torch.nn.Module | None, *names: str) -> float | None:
-    for name in names:
-        value = getattr(module, name, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    return None
 
 
 def in_out(module: torch.nn.Module, weight: torch.Tensor) -> tuple[int, int]:

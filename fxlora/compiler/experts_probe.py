@@ -7,7 +7,7 @@ otherwise). Two checks, on fixed random inputs (seeded, a few dozen values each)
 
 - :func:`choose_layout`: the gate alone, in float64, against the module's ``_apply_gate``
   (``act_fn`` for experts without a gate), over values on both sides of any clamp; it picks
-  the first of :func:`fxlora.adapters.experts.layouts`'s candidates that agrees.
+  the first of :func:`layouts`' candidates that agrees.
 - :func:`prove_region`: the whole block — both projections, the gate, the routed sum — in the
   traced dtypes, the op against the module's ``forward``, with every expert routed to. For
   experts sharded between tensor-parallel ranks the op runs on the local shards and the
@@ -18,15 +18,12 @@ Either raises :class:`NotServed` saying what differs, and the region stays as tr
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from fxlora.adapters import experts
-from fxlora.adapters.experts import ExpertsLayout
 from fxlora.adapters.sharding import agree, local_tensor, process_group
 from fxlora.errors import NotServed
-from fxlora.ops.moe_lora import apply_gate, local_routing
+from fxlora.ops.moe_lora import ExpertsLayout, apply_gate, local_routing
 
 # Relative error allowed between the op and the module's forward on the probe, per dtype:
 # the two round in a different order (grouped vs per-expert GEMMs), nothing more. A wrong
@@ -36,16 +33,16 @@ PROBE_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, to
 
 def choose_layout(module: torch.nn.Module) -> ExpertsLayout:
     """The layout whose gate computes what the module's gate computes, in float64."""
-    candidates = experts.layouts(module)
+    candidates = layouts(module)
     device = next(iter(experts.experts_parameters(module).values())).device
-    h = _gate_probe(max(c.limit for c in candidates)).to(device)
+    h = _gate_probe(max((p for c in candidates for p in c.params), default=0.0)).to(device)
     try:
         with torch.no_grad():
             want = module._apply_gate(h) if module.has_gate else module.act_fn(h)
     except (RuntimeError, TypeError, ValueError) as e:
         raise NotServed(f"its gate ({experts.gate_name(module)}) does not run on a float64 probe: {e}") from None
     for layout in candidates:
-        got = apply_gate(h, layout.gate, layout.act, layout.alpha, layout.limit)
+        got = apply_gate(h, layout)
         if isinstance(want, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-7, atol=1e-10):
             return layout
     tried = sorted({c.gate for c in candidates})
@@ -53,6 +50,92 @@ def choose_layout(module: torch.nn.Module) -> ExpertsLayout:
         f"its gate ({experts.gate_name(module)}) computes none of the gates fxlora::moe_lora knows "
         f"(tried {', '.join(tried)} with the module's activation and clamp parameters)"
     )
+
+
+def layouts(module: torch.nn.Module) -> list[ExpertsLayout]:
+    """The layouts ``fxlora::moe_lora`` knows that these experts may have, most likely first,
+    read from what the module holds: its flags, its own activation (``act_fn``, not the
+    config's ``hidden_act``, which a class may ignore) and its clamp parameters. None is
+    taken on trust: the compiler keeps the one that computes as the module does. Raises
+    :class:`NotServed` when the module has nothing the op could compute."""
+    if getattr(module, "has_post_expert_norm", False):
+        raise NotServed("a norm after each expert (has_post_expert_norm) is not supported")
+    transposed = bool(module.is_transposed)
+    alpha = _number(module, "alpha", "swiglu_alpha")
+    limit = _number(module, "limit", "swiglu_limit")
+    act_fn = getattr(module, "act_fn", None)
+    if act_fn is not None:
+        named = activation_name(act_fn)
+        acts = [named] if named is not None else []
+    else:  # a gate that calls its activation itself (HY-V4's F.silu): any the op knows
+        acts = list(_activations())
+    candidates: list[ExpertsLayout] = []
+    if not module.has_gate:
+        candidates += [ExpertsLayout(transposed, "act", a) for a in acts]
+    elif module.is_concatenated:
+        candidates += [ExpertsLayout(transposed, "glu", a) for a in acts]
+        caps = [_number(getattr(act_fn, n, None), "softcap") for n in ("gate_softcap", "up_softcap")]
+        if all(caps):  # a SwiGLU with soft-capped factors (Inkling2)
+            candidates.append(ExpertsLayout(transposed, "glu_softcapped", "", tuple(caps)))
+        if limit is not None:
+            candidates += [ExpertsLayout(transposed, "glu_clamped", a, (limit,)) for a in acts]
+            if alpha is not None:
+                candidates.append(ExpertsLayout(transposed, "glu_concatenated_clamped", "", (alpha, limit)))
+    elif alpha is not None and limit is not None:
+        candidates.append(ExpertsLayout(transposed, "glu_interleaved_clamped", "", (alpha, limit)))
+    if not candidates:
+        raise NotServed(f"its gate ({experts.gate_name(module)}) is not one fxlora::moe_lora knows")
+    return candidates
+
+
+def activation_name(fn) -> str | None:
+    """The ``transformers`` activation name (``ACT2FN``) computing what ``fn`` computes, or None.
+    Same-class entries are tried first; an entry counts when it agrees with ``fn`` on a fixed
+    spread of float64 values (``gelu`` and ``gelu_new`` differ there by 1e-3; aliases such as
+    ``silu`` / ``swish`` agree bit for bit)."""
+    x = torch.linspace(-12.0, 12.0, 97, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            want = fn(x)
+    except (RuntimeError, TypeError, ValueError):  # not a one-argument elementwise function
+        return None
+    if not isinstance(want, torch.Tensor) or want.shape != x.shape:
+        return None
+    names = sorted(_activations(), key=lambda n: type(_activations()[n]) is not type(fn))
+    for name in names:
+        with torch.no_grad():
+            got = _activations()[name](x)
+        if torch.allclose(got, want, rtol=1e-9, atol=1e-12):
+            return name
+    return None
+
+
+_ACTIVATIONS: dict[str, torch.nn.Module] = {}
+
+
+def _activations() -> dict[str, torch.nn.Module]:
+    """One instance of every parameter-free ``ACT2FN`` activation (learned ones, PReLU's and
+    xIELU's, cannot stand for a module's own)."""
+    if not _ACTIVATIONS:
+        from transformers.activations import ACT2FN
+        from transformers.utils import logging
+
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity_error()  # xIELU warns, on being made, that its CUDA kernel is absent
+        try:
+            made = {name: ACT2FN[name] for name in ACT2FN}
+        finally:
+            logging.set_verbosity(verbosity)
+        _ACTIVATIONS.update({n: fn for n, fn in made.items() if not any(True for _ in fn.parameters())})
+    return _ACTIVATIONS
+
+
+def _number(module: torch.nn.Module | None, *names: str) -> float | None:
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def prove_region(
@@ -102,7 +185,7 @@ def prove_region(
     if not measured:
         raise NotServed(errors[0])
     raise NotServed(
-        f"fxlora::moe_lora with the layout read from it ({_describe(layout)}) differs from {type(module).__name__}.forward "
+        f"fxlora::moe_lora with the layout read from it ({layout}) differs from {type(module).__name__}.forward "
         f"by {min(measured):.2g} on a probe (allowed {allowed:g})"
     )
 
@@ -125,10 +208,10 @@ def _compare(module, layout, hidden, routes, up_lora, down_lora, mine) -> float 
             ours = (index, weights) if first is None else local_routing(index, weights, first, mine[1])
             got = torch.ops.fxlora.moe_lora.default(
                 hidden, *ours, local_tensor(up), biases[0], local_tensor(down), biases[1], up_lora, down_lora,
-                no_adapter, **dataclasses.asdict(layout),
+                no_adapter, layout.spec,
             )  # fmt: skip
         except RuntimeError as e:  # e.g. weights whose shapes the layout reads the wrong way round
-            got = f"fxlora::moe_lora with the layout read from it ({_describe(layout)}) does not run on a probe: {e}"
+            got = f"fxlora::moe_lora with the layout read from it ({layout}) does not run on a probe: {e}"
         if group is not None:  # each rank computed its part of the sum, if every rank computed it
             try:
                 agree(RuntimeError(got) if isinstance(got, str) else None, group)
@@ -152,8 +235,3 @@ def _gate_probe(limit: float) -> torch.Tensor:
 
 def _hint(size) -> int:
     return size if isinstance(size, int) else int(size.node.hint)
-
-
-def _describe(layout: ExpertsLayout) -> str:
-    fields = dataclasses.asdict(layout)
-    return ", ".join(f"{k}={v!r}" for k, v in fields.items() if v not in ("", 0.0) or k in ("transposed", "gate"))

@@ -19,8 +19,6 @@ module's own ``forward`` on a probe (:func:`fxlora.compiler.experts_probe.prove_
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -30,7 +28,7 @@ from fxlora.errors import NotServed, QuantizationError
 from fxlora.ops.moe_lora import serve_weights_of
 
 NAME = "fxlora_moe_lora"
-LAYOUT = "_fxlora_experts_layout"  # the module attribute holding the op's layout arguments
+LAYOUT = "_fxlora_experts_layout"  # the module attribute holding the op's layout (its spec)
 
 
 def forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -39,7 +37,7 @@ def forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: tor
     up_bias, down_bias = experts.experts_biases(self)
     no_adapter = torch.full((hidden_states.shape[0],), -1, dtype=torch.int32, device=hidden_states.device)
     return torch.ops.fxlora.moe_lora(  # the packet: a call without adapters is no LoRA op (LORA_OPS)
-        hidden_states, top_k_index, top_k_weights, up, up_bias, down, down_bias, [], [], no_adapter, **getattr(self, LAYOUT)
+        hidden_states, top_k_index, top_k_weights, up, up_bias, down, down_bias, [], [], no_adapter, getattr(self, LAYOUT)
     )
 
 
@@ -64,7 +62,7 @@ def serve(model: torch.nn.Module, method: str) -> None:
                 f"the base model is quantised ({method}) and the experts module {fqn!r} holds {', '.join(kinds)} "
                 f"weights, which fxlora::moe_lora cannot compute as the module does: {why}"
             ) from None
-        layouts[module] = dataclasses.asdict(layout)
+        layouts[module] = layout.spec
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # slow to import: only for a quantised MoE model
 
     ALL_EXPERTS_FUNCTIONS.register(NAME, forward)

@@ -15,7 +15,9 @@ pool comes as one bundle (:class:`fxlora.ops.operands.LoraWeights`): ``A (slots,
 in)``, ``B (slots, E, out, max_rank)``, ``scaling`` and ``rank`` per slot; a parameter without
 LoRA passes an empty one. ``token_slot`` is each token's slot
 (``fxlora::batch_info``'s first output); the op groups the token–expert pairs itself.
-``gate`` names how the up projection becomes the down projection's input:
+``layout`` (one operand: :attr:`ExpertsLayout.spec`) says whether the weights are stored
+transposed, which gate turns the up projection into the down projection's input, its
+activation, and the gate's own parameters (:data:`GATE_PARAMS`):
 
 - ``"glu"``: ``act(first half) * second half`` (transformers' default ``_apply_gate``);
 - ``"glu_clamped"``: the same over clamped halves, ``act(min(gate, limit)) · clamp(up, ±limit)``
@@ -24,8 +26,8 @@ LoRA passes an empty one. ``token_slot`` is each token's slot
   half, both clamped to ``limit``, ``gate · sigmoid(alpha · gate) · (up + 1)``;
 - ``"glu_concatenated_clamped"``: GPT-OSS's gate over concatenated halves (MiniMax-M3);
 - ``"glu_softcapped"``: a SwiGLU whose linear factors are soft-capped, in float32,
-  ``cap(gate, alpha) · sigmoid(gate) · cap(up, limit)`` with ``cap(x, c) = c · tanh(x / c)``
-  (Inkling2: ``alpha`` and ``limit`` are the gate's and the up half's softcaps);
+  ``cap(gate, gate_cap) · sigmoid(gate) · cap(up, up_cap)`` with ``cap(x, c) = c · tanh(x / c)``
+  (Inkling2);
 - ``"act"``: experts without a gate: ``act(h)``.
 
 ``act`` is a ``transformers`` activation name (``ACT2FN``). The reference reads routing on
@@ -45,6 +47,8 @@ LoRA kernels stay calls.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
@@ -55,26 +59,75 @@ from fxlora.ops.delta_launcher import lora_workspace
 from fxlora.ops.grouped_mm import traceable_grouped_mm
 from fxlora.ops.operands import LoraWeights, optional_weights
 
-GATES = ("glu", "glu_clamped", "glu_interleaved_clamped", "glu_concatenated_clamped", "glu_softcapped", "act")
+# each gate the op knows, and the parameters it takes, in order
+GATE_PARAMS: dict[str, tuple[str, ...]] = {
+    "glu": (),
+    "glu_clamped": ("limit",),
+    "glu_interleaved_clamped": ("alpha", "limit"),
+    "glu_concatenated_clamped": ("alpha", "limit"),
+    "glu_softcapped": ("gate_cap", "up_cap"),
+    "act": (),
+}
+GATES = tuple(GATE_PARAMS)
 
 
-def apply_gate(h: torch.Tensor, gate: str, act: str, alpha: float, limit: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How the op computes an experts module: weights stored ``(E, in, out)`` when
+    ``transposed``, the ``gate``, its activation ``act`` (a ``transformers`` name, ``""`` for a
+    gate with its own) and the gate's ``params`` (:data:`GATE_PARAMS` names them). The op takes
+    it as one string operand, :attr:`spec`."""
+
+    transposed: bool
+    gate: str
+    act: str = ""
+    params: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.gate not in GATE_PARAMS:
+            raise ValueError(f"unknown experts gate {self.gate!r}; known: {GATES}")
+        if len(self.params) != len(GATE_PARAMS[self.gate]):
+            raise ValueError(f"the {self.gate} gate takes {GATE_PARAMS[self.gate] or 'no parameters'}, got {self.params}")
+
+    def param(self, name: str) -> float:
+        return self.params[GATE_PARAMS[self.gate].index(name)]
+
+    @property
+    def spec(self) -> str:
+        """The layout as the op's operand: ``transposed;gate;act;param,param``."""
+        return ";".join([str(int(self.transposed)), self.gate, self.act, ",".join(map(repr, self.params))])
+
+    @staticmethod
+    def parse(spec: str) -> ExpertsLayout:
+        """The layout of an operand :attr:`spec` made (plain string operations, which Dynamo
+        folds when it traces the composition)."""
+        transposed, gate, act, params = spec.split(";")
+        return ExpertsLayout(transposed == "1", gate, act, tuple(float(p) for p in params.split(",") if p))
+
+    def __str__(self) -> str:
+        named = [f"act={self.act!r}"] if self.act else []
+        named += [f"{k}={v:g}" for k, v in zip(GATE_PARAMS[self.gate], self.params)]
+        return ", ".join([f"transposed={self.transposed}", f"gate={self.gate!r}", *named])
+
+
+def apply_gate(h: torch.Tensor, layout: ExpertsLayout) -> torch.Tensor:
     from transformers.activations import ACT2FN
 
+    gate = layout.gate
     if gate == "act":
-        return ACT2FN[act](h)
-    if gate not in GATES:
-        raise ValueError(f"unknown experts gate {gate!r}; known: {GATES}")
+        return ACT2FN[layout.act](h)
     g, up = (h[..., ::2], h[..., 1::2]) if gate == "glu_interleaved_clamped" else h.chunk(2, dim=-1)
     if gate == "glu":
-        return ACT2FN[act](g) * up
+        return ACT2FN[layout.act](g) * up
     if gate == "glu_softcapped":
+        gate_cap, up_cap = layout.params
         g, up = g.float(), up.float()
-        return ((torch.tanh(g / alpha) * alpha) * torch.sigmoid(g) * (torch.tanh(up / limit) * limit)).to(h.dtype)
+        return ((torch.tanh(g / gate_cap) * gate_cap) * torch.sigmoid(g) * (torch.tanh(up / up_cap) * up_cap)).to(h.dtype)
+    limit = layout.param("limit")
     g, up = g.clamp(max=limit), up.clamp(min=-limit, max=limit)
     if gate == "glu_clamped":
-        return ACT2FN[act](g) * up
-    return g * torch.sigmoid(g * alpha) * (up + 1)
+        return ACT2FN[layout.act](g) * up
+    return g * torch.sigmoid(g * layout.param("alpha")) * (up + 1)
 
 
 def _expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -114,13 +167,11 @@ def moe_lora_reference(
     up_lora: list[torch.Tensor],
     down_lora: list[torch.Tensor],
     token_slot: torch.Tensor,
-    transposed: bool,
-    gate: str,
-    act: str,
-    alpha: float,
-    limit: float,
+    layout: str,
 ) -> torch.Tensor:
     up, down = optional_weights(up_lora), optional_weights(down_lora)
+    form = ExpertsLayout.parse(layout)
+    transposed = form.transposed
     tokens, top_k = top_k_index.shape
     weighted = hidden.new_zeros(tokens, top_k, hidden.shape[-1])
     for e in torch.unique(top_k_index).tolist():
@@ -129,7 +180,7 @@ def moe_lora_reference(
         x = hidden[token]
         h = _expert_linear(x, up_weight[e], None if up_bias is None else up_bias[e], transposed)
         _add_lora(h, x, up, e, slots)
-        g = apply_gate(h, gate, act, alpha, limit)
+        g = apply_gate(h, form)
         o = _expert_linear(g, down_weight[e], None if down_bias is None else down_bias[e], transposed)
         _add_lora(o, g, down, e, slots)
         weighted[token, j] = o * top_k_weights[token, j, None].to(o.dtype)
@@ -150,15 +201,13 @@ def moe_lora_composed(
     up_lora: list[torch.Tensor],
     down_lora: list[torch.Tensor],
     token_slot: torch.Tensor,
-    transposed: bool,
-    gate: str,
-    act: str,
-    alpha: float,
-    limit: float,
+    layout: str,
 ) -> torch.Tensor:
     """The op as ATen ops around ``fxlora::batch_info`` and ``fxlora::lora_delta``: its CUDA
     implementation, and what Inductor compiles in its place."""
     up, down = optional_weights(up_lora), optional_weights(down_lora)
+    form = ExpertsLayout.parse(layout)
+    transposed = form.transposed
     tokens, top_k = top_k_index.shape
     experts = up_weight.shape[0]
     expert_ids = top_k_index.reshape(-1)
@@ -179,7 +228,7 @@ def moe_lora_composed(
 
     h = _grouped_linear(x, up_weight, offsets, up_bias, pair_expert, transposed)
     _add_lora_pairs(h, x, up, pairs, experts)
-    g = apply_gate(h, gate, act, alpha, limit)
+    g = apply_gate(h, form)
     o = _grouped_linear(g, down_weight, offsets, down_bias, pair_expert, transposed)
     _add_lora_pairs(o, g, down, pairs, experts)
     o = o * top_k_weights.reshape(-1)[order, None].to(o.dtype)

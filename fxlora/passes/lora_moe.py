@@ -29,7 +29,6 @@ them, this rank's: the probe tells which); the all-reduce adds the other ranks' 
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections import defaultdict
 
@@ -109,9 +108,9 @@ def _rewrite(gm, ctx: PassContext, owner: str, targets: dict, region: list[fx.No
         args = (
             hidden, top_k_index, top_k_weights,
             found["up"], found.get("up_bias"), found["down"], found.get("down_bias"),
-            up_lora, down_lora, token_slot,
+            up_lora, down_lora, token_slot, layout.spec,
         )  # fmt: skip
-        op = gm.graph.call_function(torch.ops.fxlora.moe_lora.default, args, dataclasses.asdict(layout))
+        op = gm.graph.call_function(torch.ops.fxlora.moe_lora.default, args)
     op.meta.update({k: v for k, v in output.meta.items() if k in ("val", "example_value", "nn_module_stack")})
     op.meta["fxlora_module"] = owner
     output.replace_all_uses_with(op, delete_user_cb=lambda user: user is not op)
