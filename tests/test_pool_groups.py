@@ -1,8 +1,11 @@
 """The pool's groups: linear targets joined into the multi-slice layout one launch serves."""
 
+import collections
+
 import pytest
 import torch
 from peft import LoraConfig
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxlora.adapters import AdapterPool, PoolGroup, model_modules, read_adapter
 from fxlora.errors import NotServed
@@ -81,3 +84,36 @@ def test_joins_share_the_members_tensors_whatever_was_built_first(model_and_pool
     slot = pool.load(adapter(model, "late", 2, 4, ["k_proj", "v_proj"]))
     assert torch.equal(pair.lora_a[slot], whole.lora_a[slot, 8:])
     assert pair.rank.view(3, 2)[slot].tolist() == [4, 4] and whole.rank.view(3, 3)[slot].tolist() == [0, 4, 4]
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the ops that launch work (fills, copies, gathers), not views."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("zero_", "fill_", "copy_", "index_select", "index_put_"):
+            self.count[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_slot_is_written_by_tensor_not_by_target(model_and_pool):
+    """Writing an adapter into a slot fills each stack's two tensors once, copies each factor
+    once and each set's scaling and rank once, and gathers each group's: no launch per
+    target and value."""
+    model, pool = model_and_pool
+    group = pool.join(QKV)
+    slot = pool.load(adapter(model, "x", 3, 4, "all-linear"))
+    stacks = sum(len(s.stacks) for s in pool._sets)
+    with _Launches() as launches:
+        pool._write(slot, pool.adapters["x"])
+    assert launches.count == {"zero_": 2 * stacks, "copy_": 2 * len(pool.targets) + 2 * len(pool._sets), "index_select": 2}
+    for target in pool.targets.values():  # and it wrote what the adapter holds
+        f = pool.adapters["x"].modules[target.fqn]
+        assert torch.equal(target.lora_a[slot, : f.rank], f.a) and torch.equal(target.lora_b[slot, :, : f.rank], f.b)
+        assert not target.lora_a[slot, f.rank :].any() and target.rank[slot] == f.rank
+        assert target.scaling[slot] == pytest.approx(f.scaling)
+    assert group.rank.view(3, 3)[slot].tolist() == [4, 4, 4]

@@ -3,8 +3,9 @@
 For each target module the pool holds ``lora_a[slots, max_rank, in]``,
 ``lora_b[slots, out, max_rank]``, a float32 ``scaling[slots]`` and an int32 ``rank[slots]``,
 allocated once (the linear targets of one layer that read inputs of one width as slices of
-joint tensors, :class:`Stack`, which lets neighbours be served as one group). A slot whose adapter does not touch the module has rank 0 and scaling 0;
-ranks below ``max_rank`` are zero-padded. Slot id ``-1`` means "no adapter". Loading copies
+joint tensors, :class:`Stack`, so that neighbours can be served as one group). A slot whose
+adapter does not touch the module has rank 0 and scaling 0; ranks below ``max_rank`` are
+zero-padded. Slot id ``-1`` means "no adapter". Loading copies
 into a free slot in place, so the tensors keep their addresses: compiled graphs read them
 directly and never need a retrace or recapture.
 """
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from fxlora.adapters import sharding
-from fxlora.adapters.peft_format import LoraAdapter, all_linear, all_linear_selects, selects_module
+from fxlora.adapters.peft_format import LoraAdapter, LoraFactors, all_linear, all_linear_selects, selects_module
 from fxlora.adapters.sharding import Sharding
 from fxlora.errors import AdapterError, NoFreeSlot, NotServed, ShardingError
 
@@ -168,12 +169,10 @@ class PoolTarget:
 
     def __init__(self, fqn: str, info: ModuleInfo, slots: int, max_rank: int, stack: Stack | None = None):
         """``stack``: the joint tensors whose slices hold this linear target's factors; else
-        they are its own."""
+        they are its own. ``scaling`` and ``rank`` are rows of its :class:`TargetSet`'s tables."""
         self.fqn, self.info, self.stack = fqn, info, stack
         if stack is not None:
-            i, row = stack.fqns.index(fqn), stack.rows[stack.fqns.index(fqn)]
-            self.lora_a = stack.lora_a[:, i * max_rank : (i + 1) * max_rank]
-            self.lora_b = stack.lora_b[:, row : row + info.out_features]
+            self.lora_a, self.lora_b = stack.slices(fqn, 1)
         else:
             kw = dict(dtype=info.dtype, device=info.device)
             per_expert = (info.experts,) if info.kind == "experts" else ()  # (slots, [experts,] ...)
@@ -192,30 +191,30 @@ class PoolTarget:
         parameter its experts module."""
         return self.fqn.rpartition(".")[0] if self.info.kind == "experts" else self.fqn
 
-    @torch.no_grad()
-    def write(self, slot: int, adapter: LoraAdapter | None) -> None:
-        factors = adapter.modules.get(self.fqn) if adapter is not None else None
+    def factors(self, factors: LoraFactors) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of an adapter's ``factors`` for this target."""
+        return (factors.a, factors.b) if self.info.shard is None else self.info.shard.factors(factors.a, factors.b)
+
+    def write(self, slot: int, factors: LoraFactors | None) -> None:
+        """Put ``factors`` (None: none) into ``slot`` of the target's own tensors (its scaling
+        and rank are its set's to write)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
-        if factors is None:
-            self.scaling[slot], self.rank[slot] = 0.0, 0
-            return
-        r = factors.rank
-        a, b = (factors.a, factors.b) if self.info.shard is None else self.info.shard.factors(factors.a, factors.b)
-        self.lora_a[slot, ..., :r, :].copy_(a, non_blocking=True)  # an expert dimension of 1 broadcasts
-        self.lora_b[slot, ..., :r].copy_(b, non_blocking=True)
-        self.scaling[slot], self.rank[slot] = factors.scaling, r
+        if factors is not None:
+            a, b = self.factors(factors)
+            self.lora_a[slot, ..., : factors.rank, :].copy_(a, non_blocking=True)  # an expert dimension of 1 broadcasts
+            self.lora_b[slot, ..., : factors.rank].copy_(b, non_blocking=True)
 
 
 @dataclass(eq=False)
 class Stack:
-    """The linear targets of one layer that read inputs of one width, their factors side by side
-    in joint tensors from registration on, in registration order but for each block's last
-    linear, which goes after the others (:func:`_outputs`): ``lora_a[slots, n * max_rank, in]`` stacks each
-    member's rank rows, ``lora_b[slots, sum(out), max_rank]`` each member's output rows (the
-    first at ``rows[i]``). Any run of neighbours is then served as one group (:class:`PoolGroup`)
-    as views of these tensors, so a graph that reads a member alone and one that reads the
-    group read the same memory, whichever was built first."""
+    """The linear targets of one layer that read inputs of one width, their factors side by
+    side in joint tensors from registration on, in registration order but for each block's
+    last linear, which goes after the others (:func:`_outputs`): ``lora_a[slots, n ·
+    max_rank, in]`` stacks each member's rank rows, ``lora_b[slots, sum(out), max_rank]`` each
+    member's output rows (member ``i``'s first at ``rows[i]``). Any run of neighbours is then
+    served as one group (:class:`PoolGroup`) as views of these tensors, so a graph that reads a
+    member alone and one that reads the group read the same memory, whichever came first."""
 
     fqns: tuple[str, ...]
     rows: tuple[int, ...]
@@ -231,6 +230,24 @@ class Stack:
         lora_a = torch.zeros(slots, len(members) * max_rank, info.in_features, **kw)
         lora_b = torch.zeros(slots, sum(widths), max_rank, **kw)
         return Stack(tuple(fqn for fqn, _ in members), rows, lora_a, lora_b)
+
+    def write(self, slot: int, members: list[PoolTarget], factors: dict[str, LoraFactors]) -> None:
+        """Put each member's ``factors`` (where it has some) into ``slot``: one fill per
+        tensor, one copy per factor."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for target in members:
+            if (f := factors.get(target.fqn)) is not None:
+                a, b = target.factors(f)
+                target.lora_a[slot, : f.rank].copy_(a, non_blocking=True)
+                target.lora_b[slot, :, : f.rank].copy_(b, non_blocking=True)
+
+    def slices(self, first: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of ``lora_a`` and ``lora_b`` over ``count`` members from ``first`` on."""
+        i = self.fqns.index(first)
+        max_rank = self.lora_b.shape[-1]
+        end = self.rows[i + count] if i + count < len(self.rows) else self.lora_b.shape[1]
+        return self.lora_a[:, i * max_rank : (i + count) * max_rank], self.lora_b[:, self.rows[i] : end]
 
 
 def stack_key(fqn: str, info: ModuleInfo) -> tuple | None:
@@ -253,32 +270,63 @@ def _outputs(modules: dict[str, ModuleInfo]) -> set[str]:
     return {fqns[-1] for fqns in last.values() if len(fqns) > 1}
 
 
+class TargetSet:
+    """The targets one registration made on one device, written together: their stacks, the
+    other targets, and every target's ``scaling`` and ``rank`` as a row of one table each, so
+    that a slot's values for all of them are one copy into a column. Writing an adapter into a
+    slot takes a fill and a copy per factor tensor, not a launch per target and value."""
+
+    def __init__(self, targets: list[PoolTarget], slots: int):
+        device = targets[0].info.device
+        self.targets, self.rows = targets, {t.fqn: i for i, t in enumerate(targets)}
+        self.stacks = list({id(t.stack): t.stack for t in targets if t.stack is not None}.values())
+        self.scaling = torch.zeros(len(targets), slots, dtype=torch.float32, device=device)
+        self.rank = torch.zeros(len(targets), slots, dtype=torch.int32, device=device)
+        for i, t in enumerate(targets):
+            t.scaling, t.rank = self.scaling[i], self.rank[i]
+
+    @torch.no_grad()
+    def write(self, slot: int, adapter: LoraAdapter | None) -> None:
+        factors = adapter.modules if adapter is not None else {}
+        for stack in self.stacks:
+            stack.write(slot, [t for t in self.targets if t.stack is stack], factors)
+        for target in self.targets:
+            if target.stack is None:
+                target.write(slot, factors.get(target.fqn))
+        found = [factors.get(t.fqn) for t in self.targets]
+        scaling = torch.tensor([0.0 if f is None else f.scaling for f in found], dtype=torch.float32)
+        rank = torch.tensor([0 if f is None else f.rank for f in found], dtype=torch.int32)
+        for table, values in ((self.scaling, scaling), (self.rank, rank)):
+            table[:, slot].copy_(values.pin_memory() if table.is_cuda else values, non_blocking=True)
+
+
 class PoolGroup:
     """Neighbouring linear targets of one :class:`Stack` that read the same input, served by
     one multi-slice LoRA launch: ``lora_a`` and ``lora_b`` are the stack's slices of them, and
     ``scaling`` and ``rank`` hold one value per (slot, member), slot-major, copied from the
     members after every write."""
 
-    def __init__(self, members: list[PoolTarget]):
+    def __init__(self, members: list[PoolTarget], owner: TargetSet):
         self.members = members
         self.fqns = tuple(m.fqn for m in members)
         self.fqn = "+".join(self.fqns)  # names the group's buffers in a graph
         self.widths = tuple(m.info.out_features for m in members)
-        first, stack = members[0], members[0].stack
-        slots, max_rank = first.lora_a.shape[:2]
-        i, row = stack.fqns.index(first.fqn), stack.rows[stack.fqns.index(first.fqn)]
-        self.lora_a = stack.lora_a[:, i * max_rank : (i + len(members)) * max_rank]
-        self.lora_b = stack.lora_b[:, row : row + sum(self.widths)]
+        first = members[0]
+        slots = first.lora_a.shape[0]
+        self.lora_a, self.lora_b = first.stack.slices(first.fqn, len(members))
         self.scaling = torch.zeros(slots * len(members), dtype=torch.float32, device=first.info.device)
         self.rank = torch.zeros(slots * len(members), dtype=torch.int32, device=first.info.device)
+        self.owner = owner
+        self.index = torch.tensor([owner.rows[f] for f in self.fqns], device=first.info.device)
         for slot in range(slots):
             self.refresh(slot)
 
     @torch.no_grad()
     def refresh(self, slot: int) -> None:
+        """Copy the members' scaling and rank of ``slot`` from their set's tables."""
         n = len(self.members)
-        for i, m in enumerate(self.members):
-            self.scaling[slot * n + i], self.rank[slot * n + i] = m.scaling[slot], m.rank[slot]
+        for mine, table in ((self.scaling, self.owner.scaling), (self.rank, self.owner.rank)):
+            torch.index_select(table[:, slot], 0, self.index, out=mine[slot * n : (slot + 1) * n])
 
 
 class AdapterPool:
@@ -326,6 +374,8 @@ class AdapterPool:
         self.modules: dict[str, ModuleInfo] = {}
         self.targets: dict[str, PoolTarget] = {}
         self.groups: dict[tuple[str, ...], PoolGroup] = {}
+        self._sets: list[TargetSet] = []  # the targets by registration and device, written together
+        self._set_of: dict[str, TargetSet] = {}
         self.complete = False
         self.adapters: dict[str, LoraAdapter] = {}  # every registered adapter, in registration order
         self.slot_of: dict[str, int] = {}  # the resident ones: their GPU slots
@@ -380,11 +430,16 @@ class AdapterPool:
         for members in stacked.values():
             stack = Stack.of(members, self.max_loras, self.max_rank)
             stack_of.update(dict.fromkeys(stack.fqns, stack))
+        by_device: dict[torch.device, list[PoolTarget]] = {}
         for fqn, info in wanted.items():
             self.targets[fqn] = target = PoolTarget(fqn, info, self.max_loras, self.max_rank, stack_of.get(fqn))
-            for adapter in self.adapters.values():
-                if fqn in adapter.modules and adapter.name in self.slot_of:
-                    target.write(self.slot_of[adapter.name], self._factors(adapter.name))
+            by_device.setdefault(info.device, []).append(target)
+        for targets in by_device.values():
+            self._sets.append(written := TargetSet(targets, self.max_loras))
+            self._set_of.update(dict.fromkeys((t.fqn for t in targets), written))
+            for name, slot in list(self.slot_of.items()):  # the resident adapters that touch them
+                if any(t.fqn in self.adapters[name].modules for t in targets):
+                    written.write(slot, self._factors(name))
         for name in self.host:  # adapters registered before their modules: in pinned memory now, if on CUDA
             self.adapters[name] = self._pinned(self.adapters[name])
         for name in list(self.adapters):  # and in the slots the memory budget gave, as many as fit
@@ -467,7 +522,7 @@ class AdapterPool:
         with self._lock:  # a graph built during a call joins while loads may write
             key = tuple(fqns)
             if key not in self.groups:
-                self.groups[key] = PoolGroup(self._neighbours(key))
+                self.groups[key] = PoolGroup(self._neighbours(key), self._set_of[key[0]])
             return self.groups[key]
 
     def _neighbours(self, fqns: tuple[str, ...]) -> list[PoolTarget]:
@@ -695,8 +750,8 @@ class AdapterPool:
         if stream is not None and slot in self._fences:
             stream.wait_event(self._fences[slot])
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for target in self.targets.values():
-                target.write(slot, adapter)
+            for written in self._sets:
+                written.write(slot, adapter)
             for group in self.groups.values():
                 group.refresh(slot)
         if stream is None:

@@ -1,5 +1,6 @@
 """The proof ``lora_moe`` asks for before ``fxlora::moe_lora`` replaces an experts region:
-the op, with no adapter, computes what the module's own code computes.
+the op, with no adapter, computes what the module's own code computes. :func:`layouts` reads
+the candidate :class:`~fxlora.ops.moe_lora.ExpertsLayout` from what the module holds.
 
 In a mixed batch the rows without an adapter run the op too, so the op must reproduce the
 module, not fxlora's reading of it (a class may hard-code an activation its config names
