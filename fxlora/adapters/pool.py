@@ -255,8 +255,13 @@ def stack_key(fqn: str, info: ModuleInfo) -> tuple | None:
     last layer number) and one input width, dtype and device; None for others."""
     if info.kind != "linear":
         return None
+    return (_layer(fqn), info.in_features, info.dtype, info.device)
+
+
+def _layer(fqn: str) -> str:
+    """The layer a module belongs to: its name up to its last layer number ("" for none)."""
     layer = re.match(r"(.*\.\d+)\.", fqn)
-    return (layer[1] if layer else "", info.in_features, info.dtype, info.device)
+    return layer[1] if layer else ""
 
 
 def _outputs(modules: dict[str, ModuleInfo]) -> set[str]:
@@ -271,9 +276,10 @@ def _outputs(modules: dict[str, ModuleInfo]) -> set[str]:
 
 
 class TargetSet:
-    """The targets one registration made on one device, written together: their stacks, the
-    other targets, and every target's ``scaling`` and ``rank`` as a row of one table each, so
-    that a slot's values for all of them are one copy into a column. Writing an adapter into a
+    """The targets of one layer (as one registration made them, on one device), written
+    together: their stacks, the other targets, and every target's ``scaling`` and ``rank`` as a
+    row of one table each, so that a slot's values for all of them are one copy into a column
+    (and the layers' like targets read like views: identical layers compile once). Writing an adapter into a
     slot takes a fill and a copy per factor tensor, not a launch per target and value."""
 
     def __init__(self, targets: list[PoolTarget], slots: int):
@@ -430,11 +436,11 @@ class AdapterPool:
         for members in stacked.values():
             stack = Stack.of(members, self.max_loras, self.max_rank)
             stack_of.update(dict.fromkeys(stack.fqns, stack))
-        by_device: dict[torch.device, list[PoolTarget]] = {}
+        by_layer: dict[tuple, list[PoolTarget]] = {}
         for fqn, info in wanted.items():
             self.targets[fqn] = target = PoolTarget(fqn, info, self.max_loras, self.max_rank, stack_of.get(fqn))
-            by_device.setdefault(info.device, []).append(target)
-        for targets in by_device.values():
+            by_layer.setdefault((_layer(fqn), info.device), []).append(target)
+        for targets in by_layer.values():
             self._sets.append(written := TargetSet(targets, self.max_loras))
             self._set_of.update(dict.fromkeys((t.fqn for t in targets), written))
             for name, slot in list(self.slot_of.items()):  # the resident adapters that touch them
@@ -744,7 +750,7 @@ class AdapterPool:
             event.record()
 
     def _on_cuda(self) -> bool:
-        return any(t.info.device.type == "cuda" for t in self.targets.values())
+        return any(written.scaling.is_cuda for written in self._sets)
 
     def _write(self, slot: int, adapter: LoraAdapter | None, stream: torch.cuda.Stream | None = None) -> None:
         if stream is not None and slot in self._fences:
