@@ -178,8 +178,8 @@ class PoolTarget:
             per_expert = (info.experts,) if info.kind == "experts" else ()  # (slots, [experts,] ...)
             self.lora_a = torch.zeros(slots, *per_expert, max_rank, info.in_features, **kw)
             self.lora_b = torch.zeros(slots, *per_expert, info.out_features, max_rank, **kw)
-        self.scaling = torch.zeros(slots, dtype=torch.float32, device=info.device)
-        self.rank = torch.zeros(slots, dtype=torch.int32, device=info.device)
+        self.scaling: torch.Tensor  # (slots,) float32 and int32: rows its TargetSet gives it
+        self.rank: torch.Tensor
 
     @property
     def nbytes(self) -> int:
@@ -278,14 +278,17 @@ def _outputs(modules: dict[str, ModuleInfo]) -> set[str]:
 class TargetSet:
     """The targets of one layer (as one registration made them, on one device), written
     together: their stacks, the other targets, and every target's ``scaling`` and ``rank`` as a
-    row of one table each, so that a slot's values for all of them are one copy into a column
-    (and the layers' like targets read like views: identical layers compile once). Writing an adapter into a
-    slot takes a fill and a copy per factor tensor, not a launch per target and value."""
+    row of one table each, so that a slot's values for all of them are one copy into a column.
+    Writing an adapter into a slot takes a fill and a copy per factor tensor, not a launch per
+    target and value; the layers' like targets are like views, so identical layers compile once."""
 
     def __init__(self, targets: list[PoolTarget], slots: int):
         device = targets[0].info.device
         self.targets, self.rows = targets, {t.fqn: i for i, t in enumerate(targets)}
-        self.stacks = list({id(t.stack): t.stack for t in targets if t.stack is not None}.values())
+        self.stacks: dict[int, tuple[Stack, list[PoolTarget]]] = {}
+        for t in targets:
+            if t.stack is not None:
+                self.stacks.setdefault(id(t.stack), (t.stack, []))[1].append(t)
         self.scaling = torch.zeros(len(targets), slots, dtype=torch.float32, device=device)
         self.rank = torch.zeros(len(targets), slots, dtype=torch.int32, device=device)
         for i, t in enumerate(targets):
@@ -294,8 +297,8 @@ class TargetSet:
     @torch.no_grad()
     def write(self, slot: int, adapter: LoraAdapter | None) -> None:
         factors = adapter.modules if adapter is not None else {}
-        for stack in self.stacks:
-            stack.write(slot, [t for t in self.targets if t.stack is stack], factors)
+        for stack, members in self.stacks.values():
+            stack.write(slot, members, factors)
         for target in self.targets:
             if target.stack is None:
                 target.write(slot, factors.get(target.fqn))
