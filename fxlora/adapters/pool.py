@@ -383,8 +383,8 @@ class AdapterPool:
         self.modules: dict[str, ModuleInfo] = {}
         self.targets: dict[str, PoolTarget] = {}
         self.groups: dict[tuple[str, ...], PoolGroup] = {}
-        self._sets: list[TargetSet] = []  # the targets by registration and device, written together
-        self._set_of: dict[str, TargetSet] = {}
+        self._sets: list[TargetSet] = []  # the targets by layer (registration and device), written together
+        self._set_of: dict[str, TargetSet] = {}  # each target's set
         self.complete = False
         self.adapters: dict[str, LoraAdapter] = {}  # every registered adapter, in registration order
         self.slot_of: dict[str, int] = {}  # the resident ones: their GPU slots
@@ -728,11 +728,6 @@ class AdapterPool:
         if name not in self.adapters:
             raise AdapterError(f"adapter {name!r} was unloaded while a call waited for a slot for it")
         return name in self.slot_of
-
-    def can_acquire(self, name: str | None) -> bool:
-        """Whether :meth:`acquire` of ``name`` alone would find it a slot now, without waiting."""
-        with self._lock:
-            return name is None or name in self.slot_of or self._free_slot() is not None
 
     def release(self, slots: Iterable[int]) -> None:
         """End a call's pins; a slot unloaded meanwhile is zeroed once nothing reads it."""
