@@ -42,7 +42,7 @@ MODULES = {_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
 def _layer_of(module: str) -> str:
-    """``fxlora.passes.fuse`` -> ``passes``; ``fxlora`` itself -> ``__init__``."""
+    """``fxlora.passes.hoist`` -> ``passes``; ``fxlora`` itself -> ``__init__``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

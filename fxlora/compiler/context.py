@@ -72,12 +72,3 @@ class PassContext:
         self.record("skipped", (module,), why)
         for target in targets or (module,):
             self.left_traced.setdefault(target, why)
-
-    def served_after_all(self) -> None:
-        """Forget what an earlier pass left as traced that a later one served (``lora_delta``
-        adds the delta onto what ``lora_linear`` could not replace): those targets, and the
-        records that skipped modules all of which are served now."""
-        for fqn in self.left_traced.keys() & self.rewritten.keys():
-            del self.left_traced[fqn]
-        served = self.rewritten.keys()
-        self.records[:] = [r for r in self.records if not (r.kind == "skipped" and served >= set(r.modules))]

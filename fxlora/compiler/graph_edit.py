@@ -43,16 +43,16 @@ def base_calls(
     kind: str,
     is_base: Callable[[fx.Node], bool],
     weight_of: Callable[[fx.Node], Any],
-) -> list[tuple[PoolTarget, fx.Node]]:
+) -> tuple[list[tuple[PoolTarget, fx.Node]], dict[str, str]]:
     """The base call (``is_base``) of each call of each pool target of ``kind``
-    (:func:`module_calls`). A module called several times (a block applied again, a
-    projection of a second input) has each call served, one LoRA op per call over the same
-    pool tensors, when every call reads the module's own weight (``weight_of``: one
-    parameter read, directly or through :data:`CASTS`, not a tensor each call computes);
-    otherwise, or when one call of the module makes several base calls (the delta belongs
-    on the call's output, ``lora_delta``'s), it is left as traced. For a linear over a
-    module's 2-D parameter (``ModuleInfo.parameter``) only the calls whose weight is that
-    parameter count."""
+    (:func:`module_calls`), and, for each target whose calls are not such, why. A module
+    called several times (a block applied again, a projection of a second input) has each call
+    served, one LoRA op per call over the same pool tensors, when every call reads the
+    module's own weight (``weight_of``: one parameter read, directly or through :data:`CASTS`,
+    not a tensor each call computes); it is refused when one call makes several base calls
+    (the delta belongs on the call's output) or the calls do not all read its weight. For a
+    linear over a module's 2-D parameter (``ModuleInfo.parameter``) only the calls whose
+    weight is that parameter count."""
     calls: dict[str, list[fx.Node]] = defaultdict(list)  # every target of ``kind`` with calls here
     for node in gm.graph.nodes:
         fqn = node.meta.get("fxlora_module")
@@ -60,29 +60,28 @@ def base_calls(
         if target is not None and target.info.kind == kind:
             calls[fqn] += [node] if node.op == "call_function" and is_base(node) else []
     values = None
-    served = []
+    served, refused = [], {}
     for fqn, nodes in calls.items():
         target = ctx.pool.targets[fqn]
         if target.info.parameter is not None:
             values = input_values(gm, ctx) if values is None else values
             nodes = [n for n in nodes if reads_parameter(weight_of(n), target.info.weight, values)]
-            if not nodes and fqn not in ctx.rewritten:  # an earlier pass may have served it
-                ctx.leave_traced(
-                    fqn,
+            if not nodes:
+                refused[fqn] = (
                     f"no {kind} call of its forward reads its parameter {target.info.parameter!r} (directly or "
-                    "through a dtype cast), which its LoRA adapts",
+                    "through a dtype cast), which its LoRA adapts"
                 )
                 continue
         most = max((len(c) for c in module_calls(fqn, nodes)), default=0)
-        if most > 1:  # the delta goes once onto the call's output, as PEFT's wrapper adds it: lora_delta's
-            ctx.leave_traced(fqn, f"one call of its forward makes {most} {kind} calls")
+        if most > 1:
+            refused[fqn] = f"one call of its forward makes {most} {kind} calls"
             continue
         weights = {_parameter(weight_of(n)) for n in nodes}
         if len(nodes) > 1 and (len(weights) > 1 or None in weights):
-            ctx.leave_traced(fqn, f"its forward makes {len(nodes)} {kind} calls that do not all read its weight")
+            refused[fqn] = f"its forward makes {len(nodes)} {kind} calls that do not all read its weight"
             continue
         served += [(target, n) for n in nodes]
-    return served
+    return served, refused
 
 
 def module_calls(fqn: str, nodes: list[fx.Node]) -> list[list[fx.Node]]:

@@ -27,9 +27,7 @@ from fxlora.ops import LORA_OPS
 from fxlora.passes.annotate import annotate
 from fxlora.passes.batch_info import batch_info
 from fxlora.passes.decode_attention import decode_attention
-from fxlora.passes.fuse import fuse
 from fxlora.passes.hoist import hoist
-from fxlora.passes.lora_delta import lora_delta
 from fxlora.passes.lora_embedding import lora_embedding
 from fxlora.passes.lora_linear import lora_linear
 from fxlora.passes.lora_moe import lora_moe
@@ -45,9 +43,7 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     (SHARED, annotate),  # every call node: the module that made it
     (SHARED, decode_attention),  # decode-step SDPA over the KV cache, in code run on CUDA
     # nolora: a copy of the graph as it is here
-    (LORA, fuse),  # linears that read one input: fxlora::lora_linear_fused
-    (LORA, lora_linear),  # the other F.linear calls of targets: fxlora::lora_linear
-    (LORA, lora_delta),  # any other linear target: fxlora::lora_delta onto its traced base
+    (LORA, lora_linear),  # linear targets: fxlora::lora_linear(_fused), or lora_delta onto a traced base
     (LORA, lora_embedding),  # F.embedding of targets: fxlora::lora_embedding
     (LORA, lora_moe),  # experts regions: fxlora::moe_lora
     (LORA, batch_info),  # the LoRA ops' prologues: one per token layout
@@ -89,7 +85,6 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> Variants:
     for p in stage(LORA):
         gm = _run(p, gm, ctx)
     lora = gm if any(n.target in LORA_OPS for n in gm.graph.nodes) else None
-    ctx.served_after_all()
     with ctx.running("run_pipeline"):
         for fqn in sorted(called - ctx.rewritten.keys() - ctx.left_traced.keys()):
             ctx.leave_traced(fqn, "no LoRA pass recognises its calls")

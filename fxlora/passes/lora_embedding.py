@@ -28,7 +28,10 @@ from fxlora.errors import NotServed
 
 
 def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    for target, node in base_calls(gm, ctx, "embedding", lambda n: n.target in EMBEDDING, lambda n: embedding_args(n)[1]):
+    calls, refused = base_calls(gm, ctx, "embedding", lambda n: n.target in EMBEDDING, lambda n: embedding_args(n)[1])
+    for fqn, why in refused.items():
+        ctx.leave_traced(fqn, why)
+    for target, node in calls:
         fqn = target.fqn
         if node.target is F.embedding and call_arg(node, 3, "max_norm") is not None:
             ctx.leave_traced(fqn, "embedding with max_norm renormalises its weight in place")

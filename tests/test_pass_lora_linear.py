@@ -1,7 +1,8 @@
-"""The lora_delta pass on small Dynamo-traced modules: linears that are not a plain F.linear of
-their weight (``input @ weight.T``, torchao-quantised weights) get fxlora::lora_delta onto
-their output, joined when they read one input; against PEFT per row (float32, 1e-5 relative),
-rows without an adapter bit for bit the traced graph's."""
+"""The lora_linear pass on small Dynamo-traced modules: a plain F.linear of a module's weight
+becomes fxlora::lora_linear; linears that are not (``input @ weight.T``, torchao-quantised
+weights, a linear followed by more work) get fxlora::lora_delta onto their output, joined when
+they read one input; against PEFT per row (float32, 1e-5 relative), rows without an adapter bit
+for bit the traced graph's."""
 
 import pytest
 import torch
@@ -59,6 +60,13 @@ class Normed(torch.nn.Module):
     def forward(self, h):
         x = torch.nn.functional.layer_norm(h * 2, (8,))
         return self.c(torch.cat([torch.relu(self.a(x)), self.b(x)], -1)) + h
+
+
+class Scaled(torch.nn.Linear):
+    """A plain F.linear of the weight, then more work: PEFT adds the delta after the scaling."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias) * 2
 
 
 class Twice(torch.nn.Module):
@@ -203,6 +211,17 @@ def test_a_region_that_mutates_is_served_where_it_was_traced(shrink_ahead):
     check_against_peft(model, adapters, variants, inputs, pool, h)
 
 
+def test_a_linear_followed_by_more_work_gets_the_delta_onto_the_modules_output():
+    """Replacing the F.linear by the fused op would scale the delta too."""
+    torch.manual_seed(0)
+    model = Block(first=Scaled, second=torch.nn.Linear).eval()
+    h = torch.randn(3, 5, 8)
+    adapters = adapters_for(model, ["a", "b", "c"])
+    variants, ctx, inputs, pool = compile_toy(model, adapters, h)
+    assert ctx.rewritten == {"a": "fxlora::lora_delta", "b": "fxlora::lora_linear", "c": "fxlora::lora_linear"}
+    check_against_peft(model, adapters, variants, inputs, pool, h)
+
+
 def test_a_module_called_twice_gets_the_delta_on_each_call():
     """``a(a(h))``: one region without its calls told apart would have one output and one
     input, and one delta where PEFT adds two."""
@@ -218,8 +237,7 @@ def test_a_module_called_twice_gets_the_delta_on_each_call():
 @pytest.mark.parametrize("shrink_ahead", [False, True], ids=["one_op", "shrink_ahead"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_torchao_weights_are_left_to_lora_delta(quantization, shrink_ahead):
-    """fuse and lora_linear would hand the quantised weight to F.linear inside their op; the
-    traced F.linear of the quantised weight stays, and the delta goes onto it."""
+    """The fused ops would hand the quantised weight to F.linear inside them; the traced F.linear of the quantised weight stays, and the delta goes onto it."""
     pytest.importorskip("torchao")
     from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 
