@@ -49,6 +49,8 @@ def single_process(model, directory: Path, script: dict, ids: torch.Tensor) -> d
         out["generated"] = cm.generate(ids, adapter_names=script["generate"], max_new_tokens=script["max_new_tokens"])
         cm._requests(dict(max_batch_size=3, max_len=32, block_size=4, window=3), None)
         out["stream"] = stream_tokens(cm, script["stream"])
+        cm = fxlora.compile(model, {"e": str(directory / "e")}, max_loras=2, max_rank=16)
+        out["embedding"] = cm(input_ids=ids, adapter_names=script["embedding"]).logits
     return out
 
 
@@ -132,6 +134,7 @@ def _run_case(case_name: str, tmp_path_factory) -> tuple:
         "unloaded": ["b", "c", "c", None],
         "generate": ["c", None, "b", "c"],
         "max_new_tokens": 5,
+        "embedding": ["e", None, "e", None],
         # the request stream: more requests than rows, adapters of both loads, none
         "stream": [[[5, 6, 7], "b", 4], [[8, 9], None, 6], [[10, 11, 12, 13], "c", 3], [[14], "b", 5], [[15, 16], "c", 2]],
     }
@@ -140,7 +143,7 @@ def _run_case(case_name: str, tmp_path_factory) -> tuple:
     save_file({"ids": ids}, directory / "inputs.safetensors")
     expected = single_process(model, directory, script, ids)
     with torch.no_grad():
-        oracle = {key: peft_rows(model, directory, script[key], ids) for key in ("first", "loaded", "unloaded")}
+        oracle = {key: peft_rows(model, directory, script[key], ids) for key in ("first", "loaded", "unloaded", "embedding")}
     peft = peft_model_with(model, {n: str(directory / n) for n in ("b", "c")})
     oracle["generated"] = reference_generate(model, peft, script["generate"], ids, None, 5, None, 0)
     return case_name, run_ranks(WORKER, directory), expected, oracle
@@ -190,15 +193,15 @@ def check_a_load_one_rank_fails_changes_nothing_on_any_rank(case):
     assert first["failed_load"].startswith("AdapterError") and "rank 1 failed" in first["failed_load"]
 
 
-def check_an_adapter_on_a_sharded_embedding_is_refused_naming_it(case):
-    _, ranks, _, _ = case
-    for _, report in ranks:
-        if not report["embedding_sharded"]:  # transformers' plan before 5.2x leaves it whole
-            assert report["embedding"] == "compiled"
-            continue
-        assert report["embedding"].startswith("ShardingError: module 'model.embed_tokens' is targeted")
-        assert "Shard(dim=0)" in report["embedding"] and "tensor-parallel embedding" in report["embedding"]
-        assert "tp_plan entry" in report["embedding"] and "embedding_rowwise" in report["embedding"]
+def check_an_adapter_on_the_embedding_is_served(case):
+    """Split over its vocabulary (transformers 5.2x's plan) or whole, as on one process."""
+    _, ranks, expected, oracle = case
+    for out, report in ranks:
+        assert close(out["embedding"], expected["embedding"]) < RTOL[torch.float32]
+        assert close(out["embedding"], oracle["embedding"]) < RTOL[torch.float32]
+        split = any("Shard(dim=0)" in p for p in report["embedding_placements"])
+        op = "fxlora::lora_embedding_delta" if report["embedding_placements"] else "fxlora::lora_embedding"
+        assert op in report["embedding_ops"], (split, report["embedding_ops"])
 
 
 @pytest.mark.parametrize("case_name", sorted(CASES))
@@ -210,4 +213,4 @@ def test_two_ranks_serve_the_sharded_model(case_name, tmp_path_factory):
     check_generate_matches_one_process_and_peft(case)
     check_the_stream_follows_rank_0_and_matches_one_process(case)
     check_a_load_one_rank_fails_changes_nothing_on_any_rank(case)
-    check_an_adapter_on_a_sharded_embedding_is_refused_naming_it(case)
+    check_an_adapter_on_the_embedding_is_served(case)

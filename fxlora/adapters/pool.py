@@ -88,13 +88,10 @@ class ModuleInfo:
             if not dtype.is_floating_point:  # a packed weight (bitsandbytes): LoRA in the dtype the layer computes in
                 dtype = getattr(module, "compute_dtype", None) or torch.get_default_dtype()
             return ModuleInfo._linear(module.weight, out_dim=0, features=(module.out_features, module.in_features), dtype=dtype)
-        if isinstance(module, torch.nn.Embedding):
+        if isinstance(module, torch.nn.Embedding):  # whole factors, however the weight is split (DTensor: its whole shape)
             w = module.weight
-            n, d = sharding.local_tensor(w).shape
-            why = None
-            if sharding.is_distributed(w):
-                why = f"its weight is a DTensor ({', '.join(map(repr, w.placements))}), and LoRA on a tensor-parallel embedding is not served"
-            return ModuleInfo("embedding", n, d, w.dtype, w.device, w, unshardable=why)
+            n, d = w.shape
+            return ModuleInfo("embedding", n, d, w.dtype, w.device, w)
         return None
 
     @staticmethod
@@ -518,6 +515,8 @@ class AdapterPool:
             mine = sharding.local_tensor(info.weight)
             if base.shape == info.weight.shape and info.shard is not None:
                 base = info.shard.local(base)
+            elif base.shape == info.weight.shape and sharding.is_distributed(info.weight):  # an embedding split as traced
+                base = sharding.local_part(base, info.weight)
             if base.shape != mine.shape or not torch.equal(base.to(mine), mine):
                 raise AdapterError(
                     f"{where}: the adapter carries its own base weights {tuple(base.shape)} that differ from the "

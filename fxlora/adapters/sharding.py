@@ -79,6 +79,13 @@ def local_tensor(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if is_distributed(weight) else weight
 
 
+def local_part(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``whole``, split as the DTensor ``like`` is (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
 def sharding_of(weight: torch.Tensor, out_dim: int, in_dim: int, experts_dim: int | None = None) -> Sharding | None:
     """How this rank holds ``weight`` (a DTensor) along its output (``out_dim``) and input
     (``in_dim``) dimensions: ``None`` when replicated (or not a DTensor). A plain shard, or a

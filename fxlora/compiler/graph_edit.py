@@ -4,6 +4,7 @@ or its region by its boundary, and replacing a base call."""
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -188,6 +189,21 @@ def is_collective(node: fx.Node) -> bool:
     if name is None and isinstance(node.target, torch._ops.OpOverload):
         name = node.target.name()
     return node.op == "call_function" and isinstance(name, str) and name.split("::")[0] in ("_c10d_functional", "c10d_functional")
+
+
+_MOVES = {"view", "reshape", "flatten", "unflatten", "contiguous", "transpose", "permute", "narrow", "split", "chunk",
+         "copy_", "redistribute", "to_local", "wait", "size", "stride", "dim", "numel", *CASTS}
+_MOVES_FN = {operator.getitem, torch.reshape, torch.flatten, torch.narrow, torch.split, torch.chunk, torch.cat, torch.empty}
+
+
+def moves_data(node: fx.Node) -> bool:
+    """Whether ``node`` only moves, views, converts or allocates data, or reads its shape
+    (views, casts, a tensor-parallel layer's collectives and DTensor conversions): a delta
+    added to what it reads reaches what it makes unchanged."""
+    if node.op == "call_method":
+        return node.target in _MOVES
+    name = getattr(node.target, "__name__", "")
+    return node.target in _MOVES_FN or is_collective(node) or is_local_shard(node) or name == "from_local"
 
 
 def split_reduction(region: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:

@@ -22,6 +22,7 @@ from fxlora.ops.decode_attention import decode_attention
 from fxlora.ops.grouped_mm import grouped_mm
 from fxlora.ops.lora_delta import lora_delta
 from fxlora.ops.lora_embedding import lora_embedding
+from fxlora.ops.lora_embedding_delta import lora_embedding_delta
 from fxlora.ops.lora_linear import lora_linear, lora_linear_fused
 from fxlora.ops.lora_shrink import lora_shrink
 from fxlora.ops.moe_lora import COMPOSITIONS, moe_lora
@@ -35,6 +36,7 @@ LORA_OPS = frozenset({
     torch.ops.fxlora.lora_linear_fused.default,
     torch.ops.fxlora.lora_shrink.default,
     torch.ops.fxlora.lora_embedding.default,
+    torch.ops.fxlora.lora_embedding_delta.default,
     torch.ops.fxlora.moe_lora.default,
 })
 
@@ -49,6 +51,7 @@ __all__ = [
     "grouped_mm",
     "lora_delta",
     "lora_embedding",
+    "lora_embedding_delta",
     "lora_linear",
     "lora_linear_fused",
     "lora_shrink",

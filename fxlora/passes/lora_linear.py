@@ -51,16 +51,14 @@ from fxlora.adapters import PoolGroup, PoolTarget
 from fxlora.compiler.calls import LINEAR, is_conv1d_addmm, linear_weight
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.graph_edit import (
-    CASTS,
     base_calls,
     call_arg,
     input_values,
-    is_collective,
-    is_local_shard,
     meta_shape,
     meta_value,
     module_calls,
     module_region,
+    moves_data,
     parameter_read,
     reads_wrapped_tensor,
     region_inputs,
@@ -159,22 +157,9 @@ def _plain_region(target: PoolTarget, call: list[fx.Node], linear: fx.Node) -> R
     conversions): the delta added to the linear's output then reaches the call's output as
     PEFT adds it there. Else None."""
     reads = {n for a in (linear_weight(linear), _linear_bias(linear)) for n in parameter_read(a) or ()}
-    if all(n is linear or n in reads or _moves_data(n) for n in call):
+    if all(n is linear or n in reads or moves_data(n) for n in call):
         return Region(target, [linear], _linear_input(linear), linear, linear)
     return None
-
-
-# Tensor methods and functions that only move, view, convert or allocate data, or read its shape
-MOVES = {"view", "reshape", "flatten", "unflatten", "contiguous", "transpose", "permute", "narrow", "split", "chunk",
-         "copy_", "redistribute", "to_local", "wait", "size", "stride", "dim", "numel", *CASTS}
-MOVES_FN = {operator.getitem, torch.reshape, torch.flatten, torch.narrow, torch.split, torch.chunk, torch.cat, torch.empty}
-
-
-def _moves_data(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target in MOVES
-    name = getattr(node.target, "__name__", "")
-    return node.target in MOVES_FN or is_collective(node) or is_local_shard(node) or name == "from_local"
 
 
 def _linear_bias(node: fx.Node) -> object:
