@@ -480,7 +480,7 @@ def _check_experts_gates(model: torch.nn.Module, pool: AdapterPool) -> None:
     ``fxlora::moe_lora`` cannot compute: no adapter could ever be served on them."""
     owners: dict[str, list[str]] = {}
     for fqn, target in pool.targets.items():
-        if target.info.kind == "experts":
+        if target.info.kind == "experts" and experts.is_experts(target.info.owner):
             owners.setdefault(fqn.rpartition(".")[0], []).append(fqn)
     for owner, fqns in owners.items():
         try:

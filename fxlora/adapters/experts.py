@@ -67,18 +67,19 @@ def gate_name(module: torch.nn.Module) -> str:
 
 
 def in_out(module: torch.nn.Module, weight: torch.Tensor) -> tuple[int, int]:
+    """``(in, out)`` features of a 3-D parameter as PEFT's ``target_parameters`` reads it:
+    ``(experts, out, in)``, or ``(experts, in, out)`` where the module says ``is_transposed``."""
     _, d1, d2 = weight.shape
-    return (d1, d2) if module.is_transposed else (d2, d1)
+    return (d1, d2) if getattr(module, "is_transposed", False) else (d2, d1)
 
 
 def parameter_factors(culprit: str, module: torch.nn.Module, name: str, a, b, r: int, scaling: float) -> LoraFactors:
     """The experts LoRA of ``module``'s parameter ``name`` from PEFT's ``target_parameters``
     factors of rank ``r`` (or the shared-outer layout); ``culprit`` names the adapter and the
     parameter in errors."""
-    params = experts_parameters(module)
-    if name not in params:
-        raise AdapterError(f"{culprit}: only the experts' {sorted(params)} are supported")
-    weight = params[name]
+    if is_experts(module) and name not in experts_parameters(module):
+        raise AdapterError(f"{culprit}: only the experts' {sorted(experts_parameters(module))} are supported")
+    weight = getattr(module, name)
     experts = weight.shape[0]
     fin, fout = in_out(module, weight)
     ea, eb = a.shape[0] // r, b.shape[1] // r

@@ -99,12 +99,7 @@ def _from_wrapper(where, adapter: LoraAdapter, key: str, f: LoraFactors, modules
     r, scaling = rank_and_scaling(config, f"{owner}.{name}")
     culprit = f"{where}: target_parameters LoRA of {owner}.{name}"
     kind = f"{type(module).__name__}'s {tuple(weight.shape)} parameter"
-    if weight.dim() == 3:
-        if not experts.is_experts(module):
-            raise AdapterError(
-                f"{culprit} ({kind}): not supported: LoRA of 3-D parameters is served on the experts modules "
-                "transformers builds with use_experts_implementation only"
-            )
+    if weight.dim() == 3:  # the graph tells how it is used (the passes refuse what they cannot read)
         return f"{owner}.{name}", experts.parameter_factors(culprit, module, name, f.a, f.b, r, scaling)
     if weight.dim() != 2:
         raise AdapterError(f"{culprit} ({kind}): PEFT adapts 2-D and 3-D parameters only")

@@ -130,8 +130,10 @@ class ModuleInfo:
 
 def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
     """Every linear (``nn.Linear``, transformers' ``Conv1D``) and embedding module of
-    ``model``, the up and down parameters of every experts module, and every other module's
-    one 2-D parameter (:meth:`ModuleInfo.over_parameter`)."""
+    ``model``, the up and down parameters of every experts module, every other module's one
+    2-D parameter (:meth:`ModuleInfo.over_parameter`) and its 3-D parameters, as PEFT's
+    ``target_parameters`` reads them (``(experts, out, in)`` unless the module says
+    ``is_transposed``)."""
     from fxlora.adapters import experts
 
     found = {}
@@ -147,6 +149,14 @@ def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
                 found[f"{name}.{p}"] = info
         elif (info := ModuleInfo.over_parameter(m)) is not None:
             found[name] = info
+        if not experts.is_experts(m):  # any other module's 3-D parameters: the passes read what the graph does with them
+            for p, w in m.named_parameters(recurse=False):
+                if w.dim() == 3 and w.is_floating_point():
+                    fin, fout = experts.in_out(m, w)
+                    why = "LoRA of a 3-D parameter outside an experts module is not served under tensor parallelism"
+                    found[f"{name}.{p}"] = ModuleInfo(
+                        "experts", fin, fout, w.dtype, w.device, w, w.shape[0], m, unshardable=why if sharding.is_distributed(w) else None
+                    )
     for fqn, info in found.items():
         if info.unshardable is not None and (entry := sharding.plan_entry(model, fqn)) is not None:
             found[fqn] = dataclasses.replace(info, unshardable=f"{info.unshardable} (its tp_plan entry {entry})")

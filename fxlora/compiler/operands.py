@@ -112,13 +112,20 @@ def lora_operands(
     factors: PoolTarget | PoolGroup,
     rows: int,
     workspace: bool = True,
+    expert: int | None = None,
 ) -> tuple[list[fx.Node], list[fx.Node], fx.Node | None]:
     """What a linear LoRA op takes after its base operands, inserted at the current point:
-    the factors' bundle, the batch info bundle of ``x``'s tokens (rows along its dimension
-    ``rows``) and (``workspace``) the shrink's workspace."""
+    the factors' bundle (of one ``expert`` of an experts target: its slices), the batch info
+    bundle of ``x``'s tokens (rows along its dimension ``rows``) and (``workspace``) the
+    shrink's workspace."""
     lora = pool_nodes(gm, factors)
+    lora_a = factors.lora_a
+    if expert is not None:
+        for i in (0, 1):
+            lora[i] = gm.graph.call_function(torch.select, (lora[i], 1, expert))
+        lora_a = lora_a.select(1, expert)
     scratch = None
     if workspace:
         scratch = gm.graph.call_function(lora_workspace, (x, lora[0]))
-        fake_value(scratch, lambda xv: lora_workspace(xv, factors.lora_a), x)
+        fake_value(scratch, lambda xv: lora_workspace(xv, lora_a), x)
     return lora, batch_info_for(gm, ctx, x, 1, rows), scratch

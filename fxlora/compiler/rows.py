@@ -108,8 +108,9 @@ def _rows_outermost(tokens: fx.Node, rows: sympy.Expr) -> bool:
 
     Followed back to where the flattening happened — a shape in which the rows are a
     dimension of their own, and only dimensions of size 1 may come before it — through
-    reshapes and through the token-wise computation in between (a linear, the gate of an
-    MLP: the input with the same token dimension). Calls that may move tokens within that
+    reshapes, selections along a leading dimension (one expert of an ``(experts, tokens, …)``
+    batch), expansions and through the token-wise computation in between (a linear, the gate of an MLP:
+    the input with the same token dimension). Calls that may move tokens within that
     dimension (indexing by a tensor, sort, flip, roll, transposes) end the search: unknown."""
     node = tokens
     for _ in range(_SEARCH_LIMIT):
@@ -131,7 +132,9 @@ def _rows_outermost(tokens: fx.Node, rows: sympy.Expr) -> bool:
             node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS
         )
         inputs = [a for a in node.all_input_nodes if meta_value(a) is not None]
-        if reshape or node.target is operator.getitem or lead is None:
+        picks_one = node.target in (torch.select, "select") and len(node.args) > 1 and node.args[1] == 0  # of a leading dim
+        repeats = node.op == "call_method" and node.target == "expand"  # the same tokens, repeated
+        if reshape or picks_one or repeats or node.target is operator.getitem or lead is None:
             source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         else:  # token-wise: the input that has these tokens
             source = next((a for a in inputs if _first_size(a) == lead), None)

@@ -160,7 +160,7 @@ def merged_model(model: torch.nn.Module, adapter: Any) -> torch.nn.Module:
             owner, _, name = fqn.rpartition(".")
             module, weight = merged.get_submodule(owner), getattr(merged.get_submodule(owner), name)
             delta = f.scaling * (f.b.double() @ f.a.double())  # (E, out, in); a shared factor broadcasts
-            delta = delta.transpose(-1, -2) if module.is_transposed else delta
+            delta = delta.transpose(-1, -2) if getattr(module, "is_transposed", False) else delta
             setattr(module, name, torch.nn.Parameter(weight + delta.to(weight.dtype), requires_grad=False))
             continue
         module = merged.get_submodule(fqn)
