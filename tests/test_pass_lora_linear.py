@@ -222,6 +222,28 @@ def test_a_linear_followed_by_more_work_gets_the_delta_onto_the_modules_output()
     check_against_peft(model, adapters, variants, inputs, pool, h)
 
 
+class Chain(torch.nn.Module):
+    """``b`` reads ``a``'s output: serving ``a`` first replaces the node ``b`` reads."""
+
+    def __init__(self, second=torch.nn.Linear):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 8), second(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, h):
+        return self.c(self.b(self.a(h))) + h
+
+
+@pytest.mark.parametrize("second", [torch.nn.Linear, Scaled], ids=["plain", "scaled"])
+def test_a_targeted_linear_that_reads_another_ones_output(second):
+    torch.manual_seed(0)
+    model = Chain(second).eval()
+    h = torch.randn(3, 5, 8)
+    adapters = adapters_for(model, ["a", "b", "c"])
+    variants, ctx, inputs, pool = compile_toy(model, adapters, h)
+    assert set(ctx.rewritten) == {"a", "b", "c"}
+    check_against_peft(model, adapters, variants, inputs, pool, h)
+
+
 def test_a_module_called_twice_gets_the_delta_on_each_call():
     """``a(a(h))``: one region without its calls told apart would have one output and one
     input, and one delta where PEFT adds two."""

@@ -98,12 +98,13 @@ def main(directory: str, results: str) -> None:
             report["served_ids"] = ids
             report["served"] = [manager.get_result(f"s{i}", timeout=120).generated_tokens for i in range(len(ids))]
     # an adapter on the embedding, which the plan splits over its vocabulary (transformers 5.2x)
-    embedding = model.get_input_embeddings().weight
-    report["embedding_placements"] = [repr(p) for p in getattr(embedding, "placements", ())]
-    cm = fxlora.compile(model, {"e": f"{directory}/e"}, max_loras=2, max_rank=16)
-    with torch.no_grad():
-        out["embedding"] = cm(input_ids=inputs["ids"], adapter_names=script["embedding"]).logits
-    report["embedding_ops"] = sorted(set(cm.backend.rewritten.values()))
+    if script["embedding"]:
+        embedding = model.get_input_embeddings().weight
+        report["embedding_placements"] = [repr(p) for p in getattr(embedding, "placements", ())]
+        cm = fxlora.compile(model, {"e": f"{directory}/e"}, max_loras=2, max_rank=16)
+        with torch.no_grad():
+            out["embedding"] = cm(input_ids=inputs["ids"], adapter_names=script["embedding"]).logits
+        report["embedding_ops"] = sorted(set(cm.backend.rewritten.values()))
     save_file({k: v.contiguous() for k, v in out.items()}, f"{results}/rank{rank}.safetensors")
     json.dump(report, open(f"{results}/rank{rank}.json", "w"))
     dist.barrier()  # no rank tears its group down while another's last collective is in flight

@@ -3,7 +3,7 @@ onto each targeted module it quantised.
 
 torchao replaces a linear's weight by a tensor subclass (``Int8Tensor``,
 ``IntxUnpackedToInt8Tensor``, ...); the trace keeps ``F.linear`` of that weight, which the
-``lora_delta`` pass leaves as it is and adds the delta onto. That is served, whether the
+``lora_linear`` pass leaves as it is and adds the delta onto (``fxlora::lora_delta``). That is served, whether the
 model came through transformers' ``TorchAoConfig`` or ``torchao.quantize_``; so is
 bitsandbytes' 4-bit ``Linear4bit`` (``BitsAndBytesConfig(load_in_4bit=True)``, QLoRA's base),
 whose forward traces as bitsandbytes' own ops and whose LoRA is kept in its compute dtype. A targeted
@@ -120,7 +120,8 @@ def check_quantized(model: torch.nn.Module, pool: AdapterPool, modules: dict[str
         module = model.get_submodule(fqn) if info.kind != "experts" else info.owner
         weight = info.weight if info.weight is not None else getattr(module, "weight", None)
         if info.kind == "experts":
-            odd = [p for p in experts.experts_parameters(module).values() if not _served_experts_weight(p)]
+            params = experts.experts_parameters(module).values() if experts.is_experts(module) else [info.weight]
+            odd = [p for p in params if not _served_experts_weight(p)]
             if odd:
                 raise QuantizationError(
                     f"the base model is quantised ({method}) and LoRA targets the experts parameter {fqn!r}, whose "

@@ -108,11 +108,15 @@ def _rows_outermost(tokens: fx.Node, rows: sympy.Expr) -> bool:
 
     Followed back to where the flattening happened — a shape in which the rows are a
     dimension of their own, and only dimensions of size 1 may come before it — through
-    reshapes, selections along a leading dimension (one expert of an ``(experts, tokens, …)``
-    batch), expansions and through the token-wise computation in between (a linear, the gate of an MLP:
-    the input with the same token dimension). Calls that may move tokens within that
-    dimension (indexing by a tensor, sort, flip, roll, transposes) end the search: unknown."""
+    reshapes and through the token-wise computation in between (a linear, the gate of an MLP:
+    the input with the same token dimension). One expert of an ``(experts, tokens, …)`` batch
+    (``select`` along its first dimension) is followed back, through computation along the
+    experts, to the ``expand`` that repeats one ``(1, tokens, …)`` tensor for every expert;
+    anything else on that way (a reshape, which may spread the tokens over the experts) ends
+    the search. Calls that may move tokens within that dimension (indexing by a tensor, sort,
+    flip, roll, transposes) end it too: unknown."""
     node = tokens
+    expert = False  # following one expert's slice back to where every expert got the same tokens
     for _ in range(_SEARCH_LIMIT):
         val = meta_value(node)
         lead = None
@@ -121,7 +125,8 @@ def _rows_outermost(tokens: fx.Node, rows: sympy.Expr) -> bool:
             at = [i for i, d in enumerate(sizes) if d == rows]
             if at:
                 return (
-                    len(at) == 1
+                    not expert
+                    and len(at) == 1
                     and all(d == 1 for d in sizes[: at[0]])
                     and not any(_mentions(d, rows) for i, d in enumerate(sizes) if i != at[0])
                 )
@@ -132,9 +137,12 @@ def _rows_outermost(tokens: fx.Node, rows: sympy.Expr) -> bool:
             node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS
         )
         inputs = [a for a in node.all_input_nodes if meta_value(a) is not None]
-        picks_one = node.target in (torch.select, "select") and len(node.args) > 1 and node.args[1] == 0  # of a leading dim
-        repeats = node.op == "call_method" and node.target == "expand"  # the same tokens, repeated
-        if reshape or picks_one or repeats or node.target is operator.getitem or lead is None:
+        one_expert = node.target in (torch.select, "select") and len(node.args) > 1 and node.args[1] == 0
+        repeated = expert and node.op == "call_method" and node.target == "expand" and _first_size(node.args[0]) == 1
+        if (one_expert and expert) or (reshape and expert):
+            return False
+        expert = (expert or one_expert) and not repeated
+        if reshape or one_expert or repeated or node.target is operator.getitem or lead is None:
             source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         else:  # token-wise: the input that has these tokens
             source = next((a for a in inputs if _first_size(a) == lead), None)

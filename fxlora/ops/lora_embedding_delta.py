@@ -62,4 +62,4 @@ if sgmv is not None:
 
 @lora_embedding_delta.register_fake
 def _(ids, y, lora, batch):
-    return torch.empty_like(y)
+    return torch.empty_like(y, memory_format=torch.contiguous_format)

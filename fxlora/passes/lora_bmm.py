@@ -35,7 +35,7 @@ from fxlora.compiler.rows import row_dim
 from fxlora.errors import NotServed
 
 MATMULS = {torch.bmm, torch.matmul, torch.ops.aten.bmm.default}
-_TRANSPOSES = ({1, 2}, {-1, -2}, {2, -1}, {1, -2})
+_TRANSPOSES = ({1, 2}, {-1, -2}, {1, -1}, {2, -2})  # of a 3-D tensor's last two dimensions
 
 
 def lora_bmm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -49,13 +49,17 @@ def lora_bmm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         uses = [u for r in reads for u in _uses(r)]
         if not uses:
             continue  # this graph does not read it
+        inputs = []  # every matmul's experts' inputs and their rows, before anything is served
         try:
-            matmuls = [_matmul(fqn, u) for u in uses]
-            for mm in matmuls:
-                _serve(gm, ctx, target, mm)
+            for mm in (_matmul(fqn, u, info.experts) for u in uses):
+                inputs.append((mm, _inputs(gm, ctx, target, mm)))
         except NotServed as why:
+            for _, prepared in inputs:
+                _erase(gm, prepared)
             ctx.leave_traced(fqn, str(why))
             continue
+        for mm, prepared in inputs:
+            _serve(gm, ctx, target, mm, prepared)
         ctx.rewritten[fqn] = "fxlora::lora_delta"
         served.append(fqn)
     if served:
@@ -82,31 +86,38 @@ def _name(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
 
 
-def _matmul(fqn: str, use: tuple[fx.Node, fx.Node]) -> fx.Node:
-    """The matmul ``bmm(X, P.transpose(1, 2))`` a use of the parameter enters; raises
-    :class:`NotServed` naming the operation it enters otherwise."""
-    user, operand = use
-    transposed = user.op == "call_method" and user.target in ("transpose", "mT") or user.target is torch.transpose
-    if transposed and (user.target == "mT" or set(user.args[1:3]) in _TRANSPOSES):
+def _matmul(fqn: str, use: tuple[fx.Node, fx.Node], experts: int) -> fx.Node:
+    """The matmul ``bmm(X, P.transpose(1, 2))`` of 3-D ``X`` and output, ``experts`` of them,
+    that a use of the parameter enters; raises :class:`NotServed` naming the operation it
+    enters otherwise."""
+    user, _ = use
+    transposed = user.op == "call_method" and user.target == "transpose" or user.target is torch.transpose
+    if transposed and set(user.args[1:3]) in _TRANSPOSES:
         if len(user.users) != 1:
             raise NotServed(f"its 3-D parameter {fqn} is transposed for {len(user.users)} operations, not one")
         (mm,) = user.users
-        if mm.target in MATMULS and len(mm.args) == 2 and mm.args[1] is user and not mm.kwargs:
+        x = mm.args[0] if mm.args else None
+        shapes = [getattr(meta_value(n), "shape", ()) for n in (x, mm)]
+        if mm.target in MATMULS and len(mm.args) == 2 and mm.args[1] is user and not mm.kwargs and all(
+            len(shape) == 3 and shape[0] == experts for shape in shapes
+        ):
             return mm
         raise NotServed(f"its 3-D parameter {fqn}, transposed, enters {_name(mm)}: fxlora reads it only as the "
-                        "second operand of a batched matmul, a linear per expert")  # fmt: skip
+                        f"second operand of a batched matmul of ({experts}, tokens, in), a linear per expert")  # fmt: skip
     if user.target in MATMULS:
         raise NotServed(f"its 3-D parameter {fqn} enters {_name(user)} untransposed, as (experts, in, out), where "
                         "PEFT adapts it as (experts, out, in)")  # fmt: skip
     raise NotServed(f"its 3-D parameter {fqn} enters {_name(user)}, which fxlora cannot read as a linear per expert")
 
 
-def _serve(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, mm: fx.Node) -> None:
-    """One ``lora_delta`` per expert onto its slice of ``mm``'s output, over the one input
-    every expert reads, or each expert's own slice of the input."""
+def _inputs(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, mm: fx.Node) -> list[tuple[fx.Node, int]]:
+    """Each expert's input to ``mm`` as a node of its own, inserted right after ``mm``, and
+    its rows' dimension: the one input every expert reads, flattened to ``(tokens, in)``, or
+    the expert's own slice. Raises :class:`NotServed` (leaving the graph as it was) when the
+    rows cannot be told."""
     info, graph = target.info, gm.graph
-    x = mm.args[0]
-    shared = _shared(x)
+    x, shared = mm.args[0], _shared(mm.args[0])
+    made: list[tuple[fx.Node, int]] = []
     with graph.inserting_before(mm.next):
         if shared is not None:
             flat = graph.call_function(torch.reshape, (shared, (-1, info.in_features)))
@@ -114,9 +125,25 @@ def _serve(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, mm: fx.Node
         for e in range(info.experts):
             x_e = flat if shared is not None else _select(graph, x, e)
             try:
-                rows = row_dim(gm, ctx, x_e, feature_dims=1)
+                made.append((x_e, row_dim(gm, ctx, x_e, feature_dims=1)))
             except NotServed as why:
+                _erase(gm, made + [(x_e, 0)])
                 raise NotServed(f"the batched matmul of its 3-D parameter {target.fqn}: {why}") from None
+    return made
+
+
+def _erase(gm: fx.GraphModule, prepared: list[tuple[fx.Node, int]]) -> None:
+    """Take the nodes :func:`_inputs` made out again."""
+    for node in dict.fromkeys(n for n, _ in reversed(prepared)):
+        if not node.users:
+            gm.graph.erase_node(node)
+
+
+def _serve(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, mm: fx.Node, inputs: list[tuple[fx.Node, int]]) -> None:
+    """One ``lora_delta`` per expert onto its slice of ``mm``'s output, over its input."""
+    graph = gm.graph
+    with graph.inserting_before(inputs[-1][0].next):
+        for e, (x_e, rows) in enumerate(inputs):
             y = _select(graph, mm, e)
             operands = lora_operands(gm, ctx, x_e, target, rows, expert=e)
             op = graph.call_function(torch.ops.fxlora.lora_delta.default, (x_e, [y], *operands))

@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from fxlora.adapters import PoolTarget
+from fxlora.adapters import PoolTarget, sharding
 from fxlora.compiler.calls import EMBEDDING, embedding_args
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.graph_edit import (
@@ -57,7 +57,9 @@ def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ids, weight = embedding_args(node)
         try:
             if reads_wrapped_tensor(node):
-                ids, y = _onto_output(gm, fqn, node)
+                ids, y = _onto_output(gm, target, node)
+            elif sharding.is_distributed(target.info.weight):  # a lookup in this rank's part: whole factors do not fit it
+                raise NotServed("its weight is a DTensor looked up by its local part, which fxlora cannot add whole factors to")
             rows = row_dim(gm, ctx, ids, feature_dims=0)
         except NotServed as why:
             ctx.leave_traced(fqn, str(why))
@@ -83,14 +85,15 @@ def _add_onto(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, ids: fx.
     ctx.rewritten[target.fqn] = "fxlora::lora_embedding_delta"
 
 
-def _onto_output(gm: fx.GraphModule, fqn: str, lookup: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """``(ids, output)`` of the call of ``fqn`` that makes ``lookup`` (in a tensor-subclass
+def _onto_output(gm: fx.GraphModule, target: PoolTarget, lookup: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """``(ids, output)`` of the call of ``target``'s module that makes ``lookup`` (in a tensor-subclass
     weight), where the call only moves data besides: the ids it reads and its one output, a
     plain tensor; raises :class:`NotServed` naming the weight's layout otherwise."""
     weight = embedding_args(lookup)[1]
     w = meta_value(weight)
     placements = getattr(w, "placements", None)
     layout = f"DTensor ({', '.join(map(repr, placements))})" if placements is not None else type(w).__name__
+    fqn = target.fqn
     call = next(c for c in module_calls(fqn, module_region(gm, fqn)) if lookup in c)
     reads = set(parameter_read(weight) or ())
     other = [n for n in call if n is not lookup and n not in reads and not moves_data(n)]
@@ -99,8 +102,9 @@ def _onto_output(gm: fx.GraphModule, fqn: str, lookup: fx.Node) -> tuple[fx.Node
                         f"{getattr(other[0].target, '__name__', other[0].target)} after it, before the delta could be added")
     outputs = region_outputs(call)
     y = meta_value(outputs[0]) if len(outputs) == 1 else None
-    if not isinstance(y, torch.Tensor) or is_traceable_wrapper_subclass(y):
-        raise NotServed(f"its weight is a {layout}, and its forward's output is not one plain tensor to add the delta onto")
+    if not isinstance(y, torch.Tensor) or is_traceable_wrapper_subclass(y) or y.shape[-1] != target.info.out_features:
+        raise NotServed(f"its weight is a {layout}, and its forward's output is not one plain tensor of its whole "
+                        f"{target.info.out_features} features to add the delta onto")  # fmt: skip
     ids, inside = embedding_args(lookup)[0], set(call)
     while isinstance(ids, fx.Node) and ids in inside:  # back through the call's conversions of its ids
         ids = ids.args[0]

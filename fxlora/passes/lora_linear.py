@@ -98,7 +98,10 @@ def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for region in regions:
             readers[region.x].append(region)
     fused, delta = [], []
+    replaced: dict[fx.Node, fx.Node] = {}  # a plain linear served before -> what its users read now
     for x, regions in readers.items():
+        while x in replaced:  # the input is a targeted linear served already
+            x = replaced[x]
         try:
             rows = row_dim(gm, ctx, x, feature_dims=1)
         except NotServed as why:
@@ -110,7 +113,7 @@ def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             order = {n: i for i, n in enumerate(gm.graph.nodes)}  # as earlier groups left the graph
             part.sort(key=lambda r: order[r.output])
             for i in range(0, len(part), MAX_MEMBERS):
-                served = _serve(gm, ctx, x, rows, part[i : i + MAX_MEMBERS], fast)
+                served = _serve(gm, ctx, x, rows, part[i : i + MAX_MEMBERS], fast, replaced)
                 (fused if fast else delta).extend(served)
     _report(ctx, fused, delta)
     gm.graph.lint()
@@ -137,7 +140,7 @@ def _regions(
 ) -> list[Region]:
     """The regions of ``target``'s calls in ``gm`` (none if the graph does not call it); raises
     :class:`NotServed` when one does not fit a linear."""
-    if target.info.parameter is not None:  # the linears over the parameter, wherever they are
+    if target.info.parameter is not None:  # the module's linear calls that read the parameter
         if refused is not None:
             raise NotServed(refused)
         return [Region(target, [n], _linear_input(n), n, n) for n in linears]
@@ -213,10 +216,12 @@ def _shares_memory(a: torch.Tensor, b: object) -> bool:
     return StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage())
 
 
-def _serve(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions: list[Region], fast: bool) -> list[tuple[str, ...]]:
-    """One op for ``regions`` (graph order; plain linears if ``fast``; their input's rows along
-    its dimension ``rows``) where they can be joined, else one op each; returns the names of
-    each group served."""
+def _serve(
+    gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions: list[Region], fast: bool, replaced: dict
+) -> list[tuple[str, ...]]:
+    """One op for ``regions`` (graph order; plain linears if ``fast``; their input ``x``'s rows
+    along its dimension ``rows``) where they can be joined, else one op each; returns the names
+    of each group served. A plain linear replaced goes into ``replaced``."""
     fqns = [r.target.fqn for r in regions]
     if len(set(fqns)) == len(regions) > 1:  # a module called twice on one input is served per call
         why = _cannot_fuse(gm, regions) if fast else _cannot_group(gm, regions)
@@ -227,7 +232,7 @@ def _serve(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions:
                 why = str(e)
         if why is None:
             if fast:
-                _fuse(gm, ctx, x, rows, regions, group)
+                replaced.update(_fuse(gm, ctx, x, rows, regions, group))
             else:
                 _move_up(gm, regions)
                 _add_delta(gm, ctx, x, rows, regions, group)
@@ -235,7 +240,7 @@ def _serve(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions:
         ctx.record("info", fqns, f"{'not fused' if fast else 'not joined'} {', '.join(fqns)}: {why}")
     for r in regions:
         if fast:
-            _replace(gm, ctx, rows, r)
+            replaced[r.linear] = _replace(gm, ctx, x, rows, r)
         else:
             _add_delta(gm, ctx, x, rows, [r], r.target)
     return [(f,) for f in fqns]
@@ -270,8 +275,11 @@ def _cannot_fuse(gm: fx.GraphModule, regions: list[Region]) -> str | None:
     return None
 
 
-def _fuse(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions: list[Region], group: PoolGroup) -> None:
-    """One ``lora_linear_fused`` at the first member's place; the members' users read its parts."""
+def _fuse(
+    gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions: list[Region], group: PoolGroup
+) -> dict[fx.Node, fx.Node]:
+    """One ``lora_linear_fused`` at the first member's place; the members' users read its parts
+    (returned: each member's linear -> its part)."""
     graph = gm.graph
     first = regions[0].linear
     weights = [call_arg(r.linear, 1, "weight") for r in regions]
@@ -293,22 +301,20 @@ def _fuse(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions: 
         r.linear.replace_all_uses_with(part)
         graph.erase_node(r.linear)
         ctx.rewritten[r.target.fqn] = "fxlora::lora_linear_fused"
+    return {r.linear: part for r, part in zip(regions, parts, strict=True)}
 
 
-def _replace(gm: fx.GraphModule, ctx: PassContext, rows: int, r: Region) -> None:
-    """``lora_linear`` in place of one plain linear call; a ``Conv1D`` weight, stored
-    transposed, goes in as ``weight.t()``."""
+def _replace(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, r: Region) -> fx.Node:
+    """``lora_linear`` of ``x`` in place of one plain linear call (returned); a ``Conv1D``
+    weight, stored transposed, goes in as ``weight.t()``."""
     node = r.linear
-    if node.target is torch.addmm:
-        bias, weight = call_arg(node, 0, "input"), call_arg(node, 2, "mat2")
-        with gm.graph.inserting_before(node):
-            weight = gm.graph.call_function(torch.t, (weight,))
-    else:
-        weight, bias = call_arg(node, 1, "weight"), call_arg(node, 2, "bias")
+    weight, bias = linear_weight(node), _linear_bias(node)
     with gm.graph.inserting_before(node):
-        args = (r.x, weight, bias, *lora_operands(gm, ctx, r.x, r.target, rows))
-    replace_with(gm, node, torch.ops.fxlora.lora_linear.default, args)
+        if node.target is torch.addmm:
+            weight = gm.graph.call_function(torch.t, (weight,))
+        args = (x, weight, bias, *lora_operands(gm, ctx, x, r.target, rows))
     ctx.rewritten[r.target.fqn] = "fxlora::lora_linear"
+    return replace_with(gm, node, torch.ops.fxlora.lora_linear.default, args)
 
 
 # -- any other region: the delta onto its output -----------------------------------------------
