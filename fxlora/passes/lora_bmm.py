@@ -70,15 +70,11 @@ def lora_bmm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _uses(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
-    """``(user, operand)``: each node that reads ``node``, through dtype casts, and the cast
-    (or ``node``) it reads."""
+def _uses(node: fx.Node) -> list[fx.Node]:
+    """Each node that reads ``node``, through dtype casts."""
     found = []
     for user in node.users:
-        if user.op == "call_method" and user.target in CASTS:
-            found += _uses(user)
-        else:
-            found.append((user, node))
+        found += _uses(user) if user.op == "call_method" and user.target in CASTS else [user]
     return found
 
 
@@ -86,11 +82,10 @@ def _name(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
 
 
-def _matmul(fqn: str, use: tuple[fx.Node, fx.Node], experts: int) -> fx.Node:
+def _matmul(fqn: str, user: fx.Node, experts: int) -> fx.Node:
     """The matmul ``bmm(X, P.transpose(1, 2))`` of 3-D ``X`` and output, ``experts`` of them,
     that a use of the parameter enters; raises :class:`NotServed` naming the operation it
     enters otherwise."""
-    user, _ = use
     transposed = user.op == "call_method" and user.target == "transpose" or user.target is torch.transpose
     if transposed and set(user.args[1:3]) in _TRANSPOSES:
         if len(user.users) != 1:

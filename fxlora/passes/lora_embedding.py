@@ -55,6 +55,7 @@ def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             ctx.leave_traced(fqn, "embedding with max_norm renormalises its weight in place")
             continue
         ids, weight = embedding_args(node)
+        y = None  # the module's output, where the delta goes onto it
         try:
             if reads_wrapped_tensor(node):
                 ids, y = _onto_output(gm, target, node)
@@ -64,7 +65,7 @@ def lora_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         except NotServed as why:
             ctx.leave_traced(fqn, str(why))
             continue
-        if reads_wrapped_tensor(node):
+        if y is not None:
             _add_onto(gm, ctx, target, ids, y, rows)
             continue
         with gm.graph.inserting_before(node):
