@@ -1,11 +1,11 @@
 """Where one decode step's time goes: the kernels of a replay of fxlora's ``nolora`` and ``lora``
 decode graphs (``torch.profiler``), per inner compiler, and what ``lora`` adds kernel by kernel.
 With ``--prefill N``, the same for a prefill of ``N``-token prompts instead (a ``generate``
-call making one token: no CUDA graph, so the host's time is printed too, by operator and by
-Python function).
+call making one token, or with ``--stream`` a ``generate_batch`` call: no CUDA graph, so the
+host's time is printed too, by operator and by Python function).
 
     python benchmarks/profile_step.py [--model llama|qwen3_moe] [--batch 128] [--inner inductor,eager]
-                                      [--prefill 128] [--quant none|fp8] [--out F.json]
+                                      [--prefill 128 [--stream]] [--quant none|fp8] [--out F.json]
 
 The model, adapters and step are ``decode.py``'s (bf16, random weights, 16 rank-16 adapters
 round-robin over the rows, context 512; with ``--quant fp8``, on ``generate.py``'s FP8 base),
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--inner", default="inductor,eager")
     parser.add_argument("--prefill", type=int, help="profile a prefill of prompts this long instead")
+    parser.add_argument("--stream", action="store_true", help="the prefill of the request stream (generate_batch)")
     parser.add_argument("--quant", choices=("none", "fp8"), default="none")
     parser.add_argument("--out", default="profile_step.json")
     args = parser.parse_args()
@@ -108,14 +109,19 @@ def main() -> None:
             max_len=MAX_LEN, batch_buckets=[args.batch], inner=inner,
         )  # fmt: skip
         with torch.no_grad():
-            rt = cm.prepare()
+            rt = None if args.stream else cm.prepare()
             setup = time.perf_counter() - start
-            rt.ids.random_(3, sp.config.vocab_size)
-            at_context(rt)
-            rt.slot_ids.copy_(torch.tensor(cm.pool.slot_ids(names), dtype=torch.int32))
+            if rt is not None:
+                rt.ids.random_(3, sp.config.vocab_size)
+                at_context(rt)
+                rt.slot_ids.copy_(torch.tensor(cm.pool.slot_ids(names), dtype=torch.int32))
             prompts = torch.randint(3, sp.config.vocab_size, (args.batch, args.prefill or 1), device="cuda")
             for variant in ("nolora", "lora"):
-                if args.prefill:
+                if args.stream:
+                    step = functools.partial(cm.generate_batch, prompts.tolist(), names if variant == "lora" else None,
+                                             max_new_tokens=1, eos_token_id=(), progress_bar=False)  # fmt: skip
+                    what = f"stream prefill of {args.batch} x {args.prefill} tokens"
+                elif args.prefill:
                     step = functools.partial(cm.generate, prompts, adapter_names=names if variant == "lora" else None,
                                              max_new_tokens=1, eos_token_id=())  # fmt: skip
                     what = f"prefill of {args.batch} x {args.prefill} tokens"
@@ -136,6 +142,7 @@ def main() -> None:
         "model": args.model,
         "batch": args.batch,
         "prefill": args.prefill,
+        "stream": args.stream,
         "adapters": ADAPTERS,
         "quant": args.quant,
     }

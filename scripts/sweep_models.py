@@ -3,10 +3,10 @@
 Each architecture is built in float32 with random weights from the tiny config its
 transformers tester uses (``scripts/data/tester_configs.json``, written by
 ``scripts/extract_tester_configs.py``: no test suite and no model hub needed). Three PEFT LoRA
-adapters with random factors are made for it: ``a``, ``all-linear`` at rank 8; ``b``,
-``all-linear`` with rsLoRA at rank 4; ``c``, the attention's query / value projections at rank
-2, plus the experts' fused parameters (``target_parameters``) where the model has transformers'
-experts modules. ``fxlora.compile`` serves a mixed batch of five rows
+adapters with random factors are made for it: ``a``, ``all-linear`` at rank 8 with
+``target_parameters`` on every 3-D parameter the model has (experts' fused weights, shared
+experts, ...); ``b``, ``all-linear`` with rsLoRA at rank 4; ``c``, the attention's query / value
+projections at rank 2. ``fxlora.compile`` serves a mixed batch of five rows
 (``a, None, b, c, a``), and each row is compared with PEFT running that row's adapter (the
 unmodified model for ``None``) by :func:`fxlora.testing.check_rows`: relative error per row
 within 1e-5 in float32.
@@ -63,7 +63,6 @@ ATTENTION_SUBSET = re.compile(
     r"^(q|v|q_proj|v_proj|query|value|q_lin|v_lin|wq|wv|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|"
     r"qkv_proj|qkv|Wqkv|c_attn|query_key_value|in_proj|linear_q|linear_v|to_q|to_v)$"
 )
-EXPERTS_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj")
 
 
 def _first_line(e: BaseException) -> str:
@@ -97,24 +96,19 @@ def adapter_configs(model: Any) -> dict[str, Any]:
     """The three LoraConfigs of the sweep for ``model``."""
     from peft import LoraConfig
 
-    from fxlora.adapters import experts
-
     subset = sorted({n.rsplit(".", 1)[-1] for n in _linear_names(model) if ATTENTION_SUBSET.match(n.rsplit(".", 1)[-1])})
     if not subset:  # no recognisable query / value: the first linear of an attention module
         attention = [n for n in _linear_names(model) if re.search(r"attn|attention", n, re.I)]
         subset = [attention[0].rsplit(".", 1)[-1]] if attention else []
-    targets: list[str] = []
-    for fqn, module in model.named_modules():
-        if experts.is_experts(module):
-            short = fqn.rsplit(".", 1)[-1]
-            targets += [f"{short}.{p}" for p in experts.experts_parameters(module) if p in EXPERTS_PARAMETERS]
+    # every 3-D parameter the model has, by its module's last name and its own
+    parameters = sorted({f"{fqn.rsplit('.', 1)[-1]}.{name}" for fqn, module in model.named_modules()
+                         for name, p in module.named_parameters(recurse=False) if p.dim() == 3 and fqn})  # fmt: skip
     configs = {
-        "a": LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+        "a": LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", target_parameters=parameters or None),
         "b": LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_rslora=True),
     }
-    if subset or targets:
-        configs["c"] = LoraConfig(r=2, lora_alpha=4, target_modules=subset or None,
-                                  target_parameters=sorted(set(targets)) or None)  # fmt: skip
+    if subset:
+        configs["c"] = LoraConfig(r=2, lora_alpha=4, target_modules=subset)
     return configs
 
 
