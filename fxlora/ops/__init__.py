@@ -20,6 +20,7 @@ import torch
 from fxlora.ops.batch_info import batch_info
 from fxlora.ops.decode_attention import decode_attention
 from fxlora.ops.grouped_mm import grouped_mm
+from fxlora.ops.lora_conv_delta import lora_conv_delta
 from fxlora.ops.lora_delta import lora_delta
 from fxlora.ops.lora_embedding import lora_embedding
 from fxlora.ops.lora_embedding_delta import lora_embedding_delta
@@ -31,6 +32,7 @@ from fxlora.ops.paged_attention import gather_pages, paged_decode_attention
 
 # The ops that add LoRA: a graph that holds none has no LoRA to run.
 LORA_OPS = frozenset({
+    torch.ops.fxlora.lora_conv_delta.default,
     torch.ops.fxlora.lora_delta.default,
     torch.ops.fxlora.lora_linear.default,
     torch.ops.fxlora.lora_linear_fused.default,
@@ -49,6 +51,7 @@ __all__ = [
     "decode_attention",
     "gather_pages",
     "grouped_mm",
+    "lora_conv_delta",
     "lora_delta",
     "lora_embedding",
     "lora_embedding_delta",

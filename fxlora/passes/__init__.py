@@ -28,10 +28,10 @@ from fxlora.passes.annotate import annotate
 from fxlora.passes.batch_info import batch_info
 from fxlora.passes.decode_attention import decode_attention
 from fxlora.passes.hoist import hoist
-from fxlora.passes.lora_bmm import lora_bmm
 from fxlora.passes.lora_embedding import lora_embedding
 from fxlora.passes.lora_linear import lora_linear
 from fxlora.passes.lora_moe import lora_moe
+from fxlora.passes.lora_parameters import lora_parameters
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
@@ -47,7 +47,7 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     (LORA, lora_linear),  # linear targets: fxlora::lora_linear(_fused), or lora_delta onto a traced base
     (LORA, lora_embedding),  # F.embedding of targets: fxlora::lora_embedding
     (LORA, lora_moe),  # experts regions: fxlora::moe_lora
-    (LORA, lora_bmm),  # other 3-D parameters in a batched matmul: fxlora::lora_delta per expert
+    (LORA, lora_parameters),  # other 3-D parameters: lora_delta per expert of a bmm, lora_conv_delta onto a conv1d
     (LORA, batch_info),  # the LoRA ops' prologues: one per token layout
     (EACH_VARIANT, hoist),  # allocations: sites of the model's one arena
 )

@@ -60,7 +60,7 @@ OP = "fxlora::moe_lora"
 def lora_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     groups: dict[str, dict[str, object]] = defaultdict(dict)  # experts FQN -> parameter -> pool target
     for fqn, target in ctx.pool.targets.items():
-        if target.info.kind == "experts" and experts.is_experts(target.info.owner):  # other 3-D parameters: lora_bmm's
+        if target.info.kind == "experts" and experts.is_experts(target.info.owner):  # other 3-D parameters: lora_parameters'
             owner, _, param = fqn.rpartition(".")
             groups[owner][param] = target
     values = input_values(gm, ctx)

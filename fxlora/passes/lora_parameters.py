@@ -1,0 +1,259 @@
+"""lora_parameters: the LoRA of a 3-D parameter that is not an experts module's, read from
+what the graph does with it.
+
+Matches each 3-D parameter target (PEFT's ``target_parameters``) whose module is not one of
+transformers' experts modules (those are ``lora_moe``'s): the graph's reads of the parameter
+(by identity with the model's tensor, through dtype casts and shape round trips) in its
+module's forward, and where each one goes. PEFT adapts the parameter only while its module
+runs, so a read elsewhere (Jamba's Mamba mixer passing ``conv1d.weight`` to a function) keeps
+the base weight in both, and is recorded as information. PEFT
+adapts ``P (experts, d1, d2)`` as ``P[e] += scaling · B[e] @ A[e]``, ``(out, in) = (d1, d2)``.
+Two uses are read:
+
+- ``bmm(X, P.transpose(1, 2))`` (``torch.bmm`` / ``torch.matmul``) is a linear per expert:
+  ``Y[e] = X[e] @ P[e]ᵀ``, each expert's delta the LoRA delta of ``X[e]``'s tokens — of ``x``
+  where ``X`` repeats one input for every expert (``x.reshape(1, -1, in).expand(experts, -1,
+  -1)``: Inkling's shared experts), else of each expert's own ``(tokens, in)`` slice, where its
+  tokens are the batch's in order. Emits, right after the matmul, one ``fxlora::lora_delta``
+  per expert that adds expert ``e``'s delta in place onto ``Y[e]`` (a view of the matmul's
+  output, so its users read the sum), over ``x`` flattened to ``(tokens, in)`` (or ``X[e]``)
+  and expert ``e``'s slices of the target's pool tensors.
+- ``conv1d(x, P, ...)``, ``P`` a convolution weight ``(channels, in / groups, kernel)`` (the
+  depthwise convolutions of Mamba-style layers), over ``x (rows, in, length)``: a convolution
+  is linear in its weight, so ``fxlora::lora_conv_delta`` adds each row's
+  ``conv1d(x_row, ΔW_row)`` onto the output, whose users then read the sum.
+
+Leaves alone, and records as skipped naming the parameter and the operation, a parameter the
+graph uses any other way (an ``einsum``, a product with the weight's values, a matmul of the
+parameter untransposed, a matmul whose experts' tokens are not the batch's in order: tokens
+routed to each, a convolution whose rows are not its input's first dimension): fxlora cannot
+read those as the operation PEFT's delta adds to.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxlora.adapters import PoolTarget, experts
+from fxlora.compiler.context import PassContext
+from fxlora.compiler.graph_edit import CASTS, fake_value, input_values, meta_value
+from fxlora.compiler.operands import batch_info_for, lora_operands, pool_nodes
+from fxlora.compiler.rows import row_dim
+from fxlora.errors import NotServed
+
+MATMULS = {torch.bmm, torch.matmul, torch.ops.aten.bmm.default}
+CONV1D = {torch.conv1d, torch.nn.functional.conv1d}
+_SHAPE_METHODS = {"squeeze", "unsqueeze", "view", "reshape"}  # a use reads the parameter through these ...
+_SHAPE_FUNCTIONS = {torch.squeeze, torch.unsqueeze, torch.reshape}  # ... where they give back its shape
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+_TRANSPOSES = ({1, 2}, {-1, -2}, {1, -1}, {2, -2})  # of a 3-D tensor's last two dimensions
+
+
+def lora_parameters(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    values = input_values(gm, ctx)
+    served: dict[str, list[str]] = {"a batched matmul, a delta per expert": [], "a 1-D convolution": []}
+    for fqn, target in ctx.pool.targets.items():
+        info = target.info
+        if info.kind != "experts" or experts.is_experts(info.owner):
+            continue
+        reads = [n for n in gm.graph.nodes if n.op in ("placeholder", "get_attr") and values.get(n) is info.weight]
+        fed = [(u, via) for r in reads for u, via in _uses(r)]
+        outside = sorted({u.meta.get("fxlora_module") or "the model" for u, _ in fed if not _inside(u, target.module)})
+        if outside:  # PEFT adapts the parameter only while its module runs
+            ctx.record("info", (fqn,), f"{fqn} is read outside its module's forward (in {', '.join(outside)}), where "
+                                       "PEFT applies no LoRA to it either: those reads keep the base weight")  # fmt: skip
+        fed = [(u, via) for u, via in fed if _inside(u, target.module)]
+        if not fed:
+            continue  # this graph does not read it where PEFT adapts it
+        uses = [u for u, _ in fed]
+        convs = [u for u in uses if u.target in CONV1D]
+        if convs:
+            try:
+                _check_uses(fqn, fed, info.weight.shape)
+                if len(convs) < len(uses):
+                    others = ", ".join(sorted({_name(u) for u in uses if u.target not in CONV1D}))
+                    raise NotServed(f"its 3-D parameter {fqn} enters conv1d and {others}: fxlora reads it only as "
+                                    "a convolution's weight")  # fmt: skip
+                for conv in convs:
+                    _check_conv(gm, ctx, fqn, conv)
+            except NotServed as why:
+                ctx.leave_traced(fqn, str(why))
+                continue
+            for conv in convs:
+                _serve_conv(gm, ctx, target, conv)
+            ctx.rewritten[fqn] = "fxlora::lora_conv_delta"
+            served["a 1-D convolution"].append(fqn)
+            continue
+        inputs = []  # every matmul's experts' inputs and their rows, before anything is served
+        try:
+            _check_uses(fqn, fed, info.weight.shape)
+            for mm in (_matmul(fqn, u, info.experts) for u in uses):
+                inputs.append((mm, _inputs(gm, ctx, target, mm)))
+        except NotServed as why:
+            for _, prepared in inputs:
+                _erase(gm, prepared)
+            ctx.leave_traced(fqn, str(why))
+            continue
+        for mm, prepared in inputs:
+            _serve(gm, ctx, target, mm, prepared)
+        ctx.rewritten[fqn] = "fxlora::lora_delta"
+        served["a batched matmul, a delta per expert"].append(fqn)
+    for how, fqns in served.items():
+        if fqns:
+            names = sorted({f.rpartition(".")[0].rpartition(".")[2] + "." + f.rpartition(".")[2] for f in fqns})
+            ctx.record("served", fqns, f"LoRA of 3-D parameters in {how}: {', '.join(names)}")
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _inside(node: fx.Node, module: str) -> bool:
+    """Whether ``node`` was made in ``module``'s forward (or a submodule's)."""
+    made_by = node.meta.get("fxlora_module") or ""
+    return made_by == module or made_by.startswith(module + ".")
+
+
+def _uses(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """Each node that reads ``node``'s values, through dtype casts and shape changes (a
+    ``squeeze(1)`` then ``unsqueeze(1)``), and the node it reads them from."""
+    found = []
+    for user in node.users:
+        passes_on = user.op == "call_method" and user.target in CASTS | _SHAPE_METHODS or user.target in _SHAPE_FUNCTIONS
+        found += _uses(user) if passes_on and user.args[0] is node else [(user, node)]
+    return found
+
+
+def _check_uses(fqn: str, fed: list[tuple[fx.Node, fx.Node]], shape: torch.Size) -> None:
+    """Raise :class:`NotServed` for a use that reads the parameter in another shape, and for a
+    convolution that reads it other than as its weight."""
+    for user, via in fed:
+        value = meta_value(via)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else "?"
+            raise NotServed(f"its 3-D parameter {fqn} enters {_name(user)} reshaped to {got}")
+        if user.target in CONV1D and _conv_args(user)["weight"] is not via:
+            raise NotServed(f"its 3-D parameter {fqn} enters conv1d as its input, not its weight")
+
+
+def _name(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+
+
+def _matmul(fqn: str, user: fx.Node, experts: int) -> fx.Node:
+    """The matmul ``bmm(X, P.transpose(1, 2))`` of 3-D ``X`` and output, ``experts`` of them,
+    that a use of the parameter enters; raises :class:`NotServed` naming the operation it
+    enters otherwise."""
+    transposed = user.op == "call_method" and user.target == "transpose" or user.target is torch.transpose
+    if transposed and set(user.args[1:3]) in _TRANSPOSES:
+        if len(user.users) != 1:
+            raise NotServed(f"its 3-D parameter {fqn} is transposed for {len(user.users)} operations, not one")
+        (mm,) = user.users
+        x = mm.args[0] if mm.args else None
+        shapes = [getattr(meta_value(n), "shape", ()) for n in (x, mm)]
+        if mm.target in MATMULS and len(mm.args) == 2 and mm.args[1] is user and not mm.kwargs and all(
+            len(shape) == 3 and shape[0] == experts for shape in shapes
+        ):
+            return mm
+        raise NotServed(f"its 3-D parameter {fqn}, transposed, enters {_name(mm)}: fxlora reads it only as the "
+                        f"second operand of a batched matmul of ({experts}, tokens, in), a linear per expert")  # fmt: skip
+    if user.target in MATMULS:
+        raise NotServed(f"its 3-D parameter {fqn} enters {_name(user)} untransposed, as (experts, in, out), where "
+                        "PEFT adapts it as (experts, out, in)")  # fmt: skip
+    raise NotServed(f"its 3-D parameter {fqn} enters {_name(user)}, which fxlora cannot read as a linear per expert "
+                    "or a 1-D convolution")  # fmt: skip
+
+
+def _conv_args(conv: fx.Node) -> dict:
+    """``conv``'s arguments by name, defaults filled in."""
+    return _CONV_DEFAULTS | dict(zip(_CONV_ARGS, conv.args)) | dict(conv.kwargs)
+
+
+def _check_conv(gm: fx.GraphModule, ctx: PassContext, fqn: str, conv: fx.Node) -> None:
+    """Raise :class:`NotServed` naming why ``conv`` (a ``conv1d`` of the parameter) cannot take
+    the delta: a padding by name, or rows that are not its input's first dimension."""
+    args = _conv_args(conv)
+    if isinstance(args["padding"], str):
+        raise NotServed(f"its 3-D parameter {fqn} is the weight of a conv1d with padding={args['padding']!r}, "
+                        "which fxlora does not serve: give the padding as a number")  # fmt: skip
+    x = meta_value(args["input"])
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise NotServed(f"its 3-D parameter {fqn} is the weight of a conv1d over an input that is not "
+                        "(rows, channels, length)")  # fmt: skip
+    if row_dim(gm, ctx, args["input"], feature_dims=2) != 0:
+        raise NotServed(f"the conv1d of its 3-D parameter {fqn}: its input's rows are not its first dimension")
+
+
+def _serve_conv(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, conv: fx.Node) -> None:
+    """``fxlora::lora_conv_delta`` onto ``conv``'s output, which its users read instead."""
+    args, graph = _conv_args(conv), gm.graph
+    triple = lambda v: list(v) if isinstance(v, (list, tuple)) else [v]  # noqa: E731
+    users = list(conv.users)
+    with graph.inserting_before(conv.next):
+        factors, batch = pool_nodes(gm, target), batch_info_for(gm, ctx, args["input"], 2, 0)  # a token per row
+        op = graph.call_function(
+            torch.ops.fxlora.lora_conv_delta.default,
+            (args["input"], conv, factors, batch, triple(args["stride"]), triple(args["padding"]),
+             triple(args["dilation"]), args["groups"], getattr(target.info.owner, "is_transposed", False)),
+        )  # fmt: skip
+    fake_value(op, lambda t: t.clone(memory_format=torch.contiguous_format), conv)
+    op.meta["fxlora_module"] = target.module
+    for user in users:
+        user.replace_input_with(conv, op)
+
+
+def _inputs(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, mm: fx.Node) -> list[tuple[fx.Node, int]]:
+    """Each expert's input to ``mm`` as a node of its own, inserted right after ``mm``, and
+    its rows' dimension: the one input every expert reads, flattened to ``(tokens, in)``, or
+    the expert's own slice. Raises :class:`NotServed` (leaving the graph as it was) when the
+    rows cannot be told."""
+    info, graph = target.info, gm.graph
+    x, shared = mm.args[0], _shared(mm.args[0])
+    made: list[tuple[fx.Node, int]] = []
+    with graph.inserting_before(mm.next):
+        if shared is not None:
+            flat = graph.call_function(torch.reshape, (shared, (-1, info.in_features)))
+            fake_value(flat, lambda t: t.reshape(-1, info.in_features), shared)
+        for e in range(info.experts):
+            x_e = flat if shared is not None else _select(graph, x, e)
+            try:
+                made.append((x_e, row_dim(gm, ctx, x_e, feature_dims=1)))
+            except NotServed as why:
+                _erase(gm, made + [(x_e, 0)])
+                raise NotServed(f"the batched matmul of its 3-D parameter {target.fqn}: {why}") from None
+    return made
+
+
+def _erase(gm: fx.GraphModule, prepared: list[tuple[fx.Node, int]]) -> None:
+    """Take the nodes :func:`_inputs` made out again."""
+    for node in dict.fromkeys(n for n, _ in reversed(prepared)):
+        if not node.users:
+            gm.graph.erase_node(node)
+
+
+def _serve(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, mm: fx.Node, inputs: list[tuple[fx.Node, int]]) -> None:
+    """One ``lora_delta`` per expert onto its slice of ``mm``'s output, over its input."""
+    graph = gm.graph
+    with graph.inserting_before(inputs[-1][0].next):
+        for e, (x_e, rows) in enumerate(inputs):
+            y = _select(graph, mm, e)
+            operands = lora_operands(gm, ctx, x_e, target, rows, expert=e)
+            op = graph.call_function(torch.ops.fxlora.lora_delta.default, (x_e, [y], *operands))
+            op.meta["fxlora_module"], op.meta["example_value"] = target.module, None
+
+
+def _shared(x: fx.Node) -> fx.Node | None:
+    """The ``(1, tokens, in)`` tensor that ``x`` repeats for every expert
+    (``expand(experts, -1, -1)``), or None."""
+    expands = x.op == "call_method" and x.target == "expand" or x.target is torch.ops.aten.expand.default
+    source = x.args[0] if expands else None
+    value = meta_value(source) if isinstance(source, fx.Node) else None
+    return source if value is not None and value.dim() == 3 and value.shape[0] == 1 else None
+
+
+def _select(graph: fx.Graph, node: fx.Node, e: int) -> fx.Node:
+    """``node[e]``, with its traced value."""
+    picked = graph.call_function(torch.select, (node, 0, e))
+    fake_value(picked, lambda t: t.select(0, e), node)
+    return picked

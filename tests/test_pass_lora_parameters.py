@@ -1,0 +1,144 @@
+"""The lora_parameters pass: LoRA of 3-D parameters outside transformers' experts modules, read
+from what the graph does with them: Inkling's shared experts (a batched matmul per expert) and
+depthwise convolution weights (Mamba-style layers) served in mixed batches against PEFT, and
+the uses fxlora cannot read refused naming the parameter and the operation."""
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig
+
+import fxlora
+from fxlora.testing import check_rows, make_adapter, peft_model_with
+from fxlora.testing.models import fill_zero_weights
+
+SHARED = ["shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"]
+
+
+def mixed_against_peft(model, adapters, names, ids):
+    cm = fxlora.compile(model, adapters, max_loras=len(adapters) + 1, max_rank=8)
+    with torch.no_grad():
+        out = _logits(cm(input_ids=ids, adapter_names=names))
+        for name in dict.fromkeys(names):
+            rows = [i for i, n in enumerate(names) if n == name]
+            runner = model if name is None else peft_model_with(model, {name: adapters[name]})
+            check_rows(out[rows], _logits(runner(input_ids=ids[rows])), [name] * len(rows))
+    return cm
+
+
+def _logits(out):
+    return getattr(out, "logits", out)
+
+
+def test_inklings_shared_experts_match_peft():
+    """Each shared expert is a batched matmul of its parameter: gate and up over one input
+    every expert reads, down over each expert's own activations."""
+    if "inkling_text" not in transformers.CONFIG_MAPPING:
+        pytest.skip("this transformers has no Inkling")
+    config = transformers.CONFIG_MAPPING["inkling_text"](
+        hidden_size=32, head_dim=16, intermediate_size=37, moe_intermediate_size=12, num_attention_heads=2,
+        num_key_value_heads=2, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=99, hidden_act="gelu",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.InklingForCausalLM(config).float().eval()
+    fill_zero_weights(model, 0.5)
+    adapters = {
+        "a": make_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=SHARED), seed=1, directory="", scale=0.5),
+        "b": make_adapter(model, LoraConfig(r=2, lora_alpha=2, use_rslora=True, target_modules=["o_proj"], target_parameters=SHARED[1:]), seed=2, directory="", scale=0.5),
+    }  # fmt: skip
+    ids = torch.randint(3, 99, (4, 6), generator=torch.Generator().manual_seed(3))
+    cm = mixed_against_peft(model, adapters, ["a", None, "b", "a"], ids)
+    assert "Not served:\n  nothing" in cm.explain()
+    assert "a delta per expert: shared_experts.down_proj, shared_experts.gate_proj, shared_experts.up_proj" in cm.explain()
+
+
+class Block(torch.nn.Module):
+    """A 3-D parameter used as ``use`` says, in the module's own forward."""
+
+    def __init__(self, use: str):
+        super().__init__()
+        self.use = use
+        shape = (8, 1, 3) if use.startswith("conv") else (2, 8, 8)  # a depthwise kernel; (experts, out, in)
+        self.weight = torch.nn.Parameter(torch.randn(*shape) * 0.3)
+
+    def forward(self, h):
+        x, w = h.reshape(1, -1, 8).expand(2, -1, -1), self.weight
+        if self.use == "untransposed":
+            return torch.bmm(x, w).sum(0)
+        if self.use == "split":  # each expert a chunk of the tokens: no expert's tokens are the batch's rows
+            return torch.bmm(h.reshape(2, -1, 8), w.transpose(1, 2)).reshape(h.shape)
+        if self.use == "einsum":
+            return torch.einsum("bi,eoi->bo", h.reshape(-1, 8), w)
+        y = torch.nn.functional.conv1d(h.transpose(1, 2), w, padding=1, groups=8).transpose(1, 2)  # over the sequence
+        if self.use == "conv and product":  # and a decode step's product with the kernel
+            y = y + (h[..., None] * w[:, 0]).sum(-1)
+        return y
+
+
+class Stacked(torch.nn.Module):
+    """A :class:`Block` between an embedding and a head; with ``outside``, the model reads the
+    block's weight itself, where PEFT's ``target_parameters`` applies no LoRA (only the
+    block's own forward sees the adapted weight)."""
+
+    def __init__(self, use: str, outside: bool = False):
+        super().__init__()
+        self.embed, self.block, self.head = torch.nn.Embedding(50, 8), Block(use), torch.nn.Linear(8, 50)
+        self.outside = outside
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        if self.outside:
+            y = torch.nn.functional.conv1d(h.transpose(1, 2), self.block.weight, padding=1, groups=8).transpose(1, 2)
+        else:
+            y = self.block(h)
+        return self.head(y.reshape(h.shape))
+
+
+@pytest.mark.parametrize(
+    "use, operation",
+    [
+        ("untransposed", "its 3-D parameter block.weight enters bmm untransposed"),
+        ("einsum", "its 3-D parameter block.weight enters einsum"),
+        ("conv and product", "its 3-D parameter block.weight enters conv1d and getitem"),
+        ("split", "the batched matmul of its 3-D parameter block.weight: .*rows"),
+    ],
+)
+def test_a_use_fxlora_cannot_read_is_refused_naming_it(use, operation):
+    torch.manual_seed(0)
+    model = Stacked(use).eval()
+    adapter = make_adapter(model, LoraConfig(r=2, target_modules=["head"], target_parameters=["block.weight"]), seed=1, directory="")
+    cm = fxlora.compile(model, {"a": adapter}, max_loras=2, max_rank=4)
+    with pytest.raises(fxlora.LoraNotRunError, match=operation):
+        cm(input_ids=torch.randint(0, 50, (2, 5)), adapter_names=["a", None])
+
+
+@pytest.mark.parametrize("family", ["conv", "outside", "jamba"])
+def test_convolution_weights_match_peft(family):
+    """A depthwise convolution's weight: each row's delta is the convolution of its input with
+    its adapter's weight delta, added onto the output. Read outside its module's forward (the
+    model's own, or Jamba's Mamba mixer, which passes ``conv1d.weight`` to a function), PEFT
+    applies no LoRA to it, and neither does fxlora, saying so in explain()."""
+    torch.manual_seed(0)
+    if family != "jamba":
+        model, targets, vocab = Stacked("conv", outside=family == "outside").eval(), (["head"], ["block.weight"]), 50
+    else:
+        config = transformers.JambaConfig(
+            hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2,
+            attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+            mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, vocab_size=99, use_mamba_kernels=False,
+        )  # fmt: skip
+        model, targets, vocab = transformers.JambaForCausalLM(config).float().eval(), (["in_proj"], ["conv1d.weight"]), 99
+        fill_zero_weights(model, 0.5)
+    adapters = {
+        "a": make_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets[0], target_parameters=targets[1]), seed=1, directory=""),
+        "b": make_adapter(model, LoraConfig(r=2, use_rslora=True, target_parameters=targets[1]), seed=2, directory=""),
+    }  # fmt: skip
+    ids = torch.randint(3, vocab, (4, 6), generator=torch.Generator().manual_seed(3))
+    cm = mixed_against_peft(model, adapters, ["a", None, "b", "a"], ids)
+    if family == "conv":
+        assert "LoRA of 3-D parameters in a 1-D convolution: block.weight" in cm.explain()
+        assert "Not served:\n  nothing" in cm.explain()
+    else:
+        assert "is read outside its module's forward (in " in cm.explain()
+        assert "where PEFT applies no LoRA to it either: those reads keep the base weight" in cm.explain()
+        assert "weight: targeted, but no traced graph calls it" in cm.explain()
