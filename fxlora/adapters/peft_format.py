@@ -319,7 +319,7 @@ def _factors(
         m = _FACTOR_KEY.match(key)
         if m is None:
             raise AdapterError(f"adapter {name!r} ({where}): unrecognised tensor {key!r}")
-        module, ab = m["module"], m["ab"] or m["eab"]
+        module, ab = without_outer_wrappers(m["module"]), m["ab"] or m["eab"]
         kinds[module] = "linear" if m["ab"] else "embedding"
         halves.setdefault(module, {})[ab] = tensor
 
@@ -407,6 +407,17 @@ def _check_tensor(name: str, where: str, key: str, tensor: Any) -> None:
 def unwrapped(path: str) -> str:
     """A PEFT wrapper path without its ``.base_layer`` parts: the module that owns the parameter."""
     return re.sub(r"(\.base_layer)+$", "", path)
+
+
+def without_outer_wrappers(path: str) -> str:
+    """``path`` without the ``.base_layer`` parts of its ancestors: a module inside a module whose
+    parameter PEFT wraps (``head.base_layer.mlp.fc2``, where ``head`` holds a 3-D parameter) is
+    the model's ``head.mlp.fc2``; the trailing ones, its own wrappers, stay."""
+    parts = path.split(".")
+    own = len(parts)
+    while own > 0 and parts[own - 1] == "base_layer":
+        own -= 1
+    return ".".join([p for p in parts[:own] if p != "base_layer"] + parts[own:])
 
 
 def targets_parameter(config: LoraConfig, key: str) -> bool:
