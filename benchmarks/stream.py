@@ -3,7 +3,7 @@ batches and transformers' continuous batching, each system in a process of its o
 the other in one call.
 
     python benchmarks/stream.py [--model llama|llama8b] [--requests 256] [--adapters 16]
-                                [--systems stream,stream-wide,static,transformers,transformers-compiled] [--out stream.json]
+                                [--systems stream,stream-wide,static,transformers,transformers-compiled] [--profile] [--out stream.json]
 
 The workload: ``--requests`` requests (seeded), prompts of 32-512 random tokens, 16-512 new
 tokens each, no end token (every request makes all its tokens), all arriving at once, in that
@@ -27,8 +27,11 @@ per request).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
 import logging
+import pstats
 import subprocess
 import sys
 import time
@@ -61,7 +64,7 @@ def summary(seconds: float, news: list[int], ttft: list[float] | None, tpot: lis
     return out
 
 
-def run_system(system: str, model_name: str, requests: int, count: int) -> dict:
+def run_system(system: str, model_name: str, requests: int, count: int, profile: bool = False) -> dict:
     from decode import make_adapters, spec
 
     from fxlora.testing.models import fill_zero_weights
@@ -93,10 +96,14 @@ def run_system(system: str, model_name: str, requests: int, count: int) -> dict:
             result["warm_up_s"] = time.perf_counter() - start - result["setup_s"]
             torch.cuda.synchronize()
             timeline = Timeline(cm._engine[1])
+            profiler = cProfile.Profile() if profile else None
             begin = time.perf_counter()
-            outs = cm.generate_batch(prompts, names, max_new_tokens=news, eos_token_id=(), progress_bar=False)
-            torch.cuda.synchronize()
+            with profiler or contextlib.nullcontext():
+                outs = cm.generate_batch(prompts, names, max_new_tokens=news, eos_token_id=(), progress_bar=False)
+                torch.cuda.synchronize()
             seconds = time.perf_counter() - begin
+            if profiler is not None:  # the host's time by Python function, on stderr
+                pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
             result["breakdown"] = timeline.report(seconds)
             assert all(len(o.generated_tokens) == n for o, n in zip(outs, news)), "a request made fewer tokens than asked"
             ttft = [o.first_token_time - begin for o in outs]
@@ -120,6 +127,7 @@ class Timeline:
 
     def __init__(self, engine) -> None:
         self.windows, self.prefills, self.turns = [], [], []
+        self.kinds: list[tuple[bool, int, int]] = []  # per prefill: replayed from a graph, prompt tokens, padded tokens
         self.steps = self.row_steps = self.prefill_tokens = self.prefill_rows = 0
         runner = engine.runner
         decode, prefill, step = runner.decode, runner._prefill_group, engine.step
@@ -139,6 +147,10 @@ class Timeline:
         def on_prefill(rows, prompts, *args):
             self.prefill_rows += len(rows)
             self.prefill_tokens += sum(map(len, prompts))
+            longest, tokens = max(map(len, prompts)), sum(map(len, prompts))
+            shape = runner._prefill_shape(len(rows), longest, tokens)
+            padded = shape[0] * shape[1] if shape else len(rows) * -(-longest // 8) * 8
+            self.kinds.append((shape is not None, tokens, padded))
             return timed(self.prefills, prefill, rows, prompts, *args)
 
         def on_step(*args, **kwargs):
@@ -157,7 +169,14 @@ class Timeline:
             "prefills": len(self.prefills), "prefill_rows": self.prefill_rows, "prefill_tokens": self.prefill_tokens,
             "prefill_gpu_s": ms(self.prefills) / 1e3, "turns": len(self.turns), "host_turn_s": sum(self.turns),
             "other_s": seconds - (ms(self.windows) + ms(self.prefills)) / 1e3,
+            "prefills_graph": self._prefills(ms, True), "prefills_eager": self._prefills(ms, False),
         }  # fmt: skip
+
+    def _prefills(self, ms, graph: bool) -> dict:
+        """The prefills replayed from a graph (or run eagerly): count, prompt and padded tokens, device time."""
+        picked = [(kind, event) for kind, event in zip(self.kinds, self.prefills) if kind[0] == graph]
+        return {"count": len(picked), "tokens": sum(k[1] for k, _ in picked), "padded_tokens": sum(k[2] for k, _ in picked),
+                "gpu_s": ms([e for _, e in picked]) / 1e3}  # fmt: skip
 
 
 def _token_bytes(model: torch.nn.Module) -> int:
@@ -224,16 +243,17 @@ def main() -> None:
     parser.add_argument("--systems", default="stream,stream-wide,static,transformers,transformers-compiled")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one system may take")
     parser.add_argument("--out", default="stream.json")
+    parser.add_argument("--profile", action="store_true", help="the stream's host time by Python function (cProfile), on stderr")
     parser.add_argument("--system", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.system:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.system} %(name)s: %(message)s", stream=sys.stderr)
-        print(json.dumps(run_system(args.system, args.model, args.requests, args.adapters)))
+        print(json.dumps(run_system(args.system, args.model, args.requests, args.adapters, args.profile)))
         return
     systems = {}
     for system in args.systems.split(","):
         cmd = [sys.executable, __file__, "--model", args.model, "--requests", str(args.requests), "--adapters",
-               str(args.adapters), "--system", system]  # fmt: skip
+               str(args.adapters), "--system", system, *(["--profile"] if args.profile else [])]  # fmt: skip
         try:
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
             lines = proc.stdout.strip().splitlines()
