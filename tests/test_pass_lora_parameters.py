@@ -142,3 +142,38 @@ def test_convolution_weights_match_peft(family):
         assert "is read outside its module's forward (in " in cm.explain()
         assert "where PEFT applies no LoRA to it either: those reads keep the base weight" in cm.explain()
         assert "weight: targeted, but no traced graph calls it" in cm.explain()
+
+
+class Shared(torch.nn.Module):
+    """Shared experts as a batched matmul, and a linear beside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(2, 8, 8) * 0.3)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, h):
+        experts = torch.bmm(h.reshape(1, -1, 8).expand(2, -1, -1), self.weight.transpose(1, 2)).sum(0)
+        return self.proj(h) + experts.reshape(h.shape)
+
+
+class Wrapping(torch.nn.Module):
+    """A module with a 3-D parameter and a linear inside: PEFT wraps the module for the
+    parameter, so the file names the linear ``block.base_layer.proj``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.block, self.head = torch.nn.Embedding(50, 8), Shared(), torch.nn.Linear(8, 50)
+
+    def forward(self, input_ids):
+        return self.head(self.block(self.embed(input_ids)))
+
+
+def test_a_linear_inside_a_module_peft_wraps_for_its_parameter():
+    torch.manual_seed(0)
+    model = Wrapping().eval()
+    config = LoraConfig(r=2, target_modules=["proj"], target_parameters=["block.weight"])
+    adapters = {"a": make_adapter(model, config, seed=1, directory=""), "b": make_adapter(model, config, seed=2, directory="")}
+    assert any(".base_layer.proj." in key for key in adapters["a"][1])
+    ids = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(4))
+    mixed_against_peft(model, adapters, ["a", "b", None], ids)
