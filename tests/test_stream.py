@@ -276,3 +276,25 @@ def test_prefill_groups_take_every_prompt_once_with_bounded_padding(lengths):
         width = -(-max(lengths[i] for i in group) // PREFILL_ALIGN) * PREFILL_ALIGN
         padded, tokens = len(group) * width, sum(lengths[i] for i in group)
         assert padded <= max(PREFILL_SMALL, PREFILL_PADDING * tokens)
+
+
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=40))
+def test_a_prefill_graph_holds_its_prompts_within_bounded_padding(lengths):
+    """Each prefill group's graph shape (where it takes one) holds every prompt, keeps
+    Inductor's alignment and pads within the bound of the eager prefill's padding."""
+    from types import SimpleNamespace
+
+    from fxlora.runtime.generation import default_buckets
+
+    buckets = default_buckets(128)
+    state = SimpleNamespace(graphs=SimpleNamespace(enabled=True), prefill_graph_tokens=4096, max_rows=128,
+                            bucket_for=lambda rows: next(b for b in buckets if b >= rows))  # fmt: skip
+    for group in prefill_groups(lengths):
+        longest, tokens = max(lengths[i] for i in group), sum(lengths[i] for i in group)
+        shape = runner.StreamRunner._prefill_shape(state, len(group), longest, tokens)
+        if shape is None:
+            continue
+        rows, length = shape
+        eager = len(group) * -(-longest // PREFILL_ALIGN) * PREFILL_ALIGN
+        assert rows >= max(len(group), 2) and length >= longest and length % PREFILL_ALIGN == 0
+        assert rows * length <= 4096 and rows * length <= max(PREFILL_SMALL, PREFILL_PADDING * eager)

@@ -14,7 +14,8 @@ write into the cache's scratch block and change nothing.
 
 A prefill (:meth:`StreamRunner.prefill`) runs the newly admitted requests' prompts, left-padded,
 writes their keys and values into their blocks, and picks their first tokens; a short one
-replays from a CUDA graph per ``(variant, rows, length)`` bucket, captured on first use.
+replays from a CUDA graph per ``(variant, rows, length)`` bucket, captured on first use, where
+that bucket's padding stays close to the eager prefill's (:meth:`StreamRunner._prefill_shape`).
 The runner prepares tensors and runs; the engine decides what.
 """
 
@@ -46,6 +47,8 @@ MAX_EOS = 16  # end tokens one request may name
 PREFILL_ALIGN = 8  # an eager prefill's length is a multiple of this: Inductor's code guards on (length % 8)
 PREFILL_PADDING = 1.25  # a prefill's padded tokens over its prompts' tokens, at most (see prefill_groups)
 PREFILL_SMALL = 512  # tokens under which a prefill takes prompts whatever their padding
+PREFILL_EXACT_ROWS = 16  # a prefill graph of up to this many rows has exactly its rows (see _prefill_shape)
+PREFILL_LENGTH_STEP = 64  # a prefill graph's length: a power of two up to this, then a multiple of it
 
 
 class StreamRunner:
@@ -235,16 +238,21 @@ class StreamRunner:
         return self.model_call(self.cache, ids, positions, mask, columns, slot_ids, dynamic=dynamic)
 
     def _prefill_shape(self, rows: int, longest: int, tokens: int) -> tuple[int, int] | None:
-        """The ``(rows, length)`` bucket a prefill of ``tokens`` prompt tokens replays from a
-        CUDA graph at, or None (eager): a graph's shape pads the rows to a batch bucket and the
-        length to a power of two, so it is taken where its tokens stay within
-        ``prefill_graph_tokens`` and its padding within the bound :func:`prefill_groups` keeps."""
+        """The ``(rows, length)`` bucket a prefill of ``rows`` prompts (the longest ``longest``
+        tokens, ``tokens`` in all) replays from a CUDA graph at, or None (eager). A graph's shape
+        keeps up to :data:`PREFILL_EXACT_ROWS` rows as they are (more go to a batch bucket) and
+        pads the length to a power of two up to :data:`PREFILL_LENGTH_STEP`, then to a multiple
+        of it; it is taken where its tokens stay within ``prefill_graph_tokens`` and within
+        :data:`PREFILL_PADDING` of the eager prefill's own padded tokens. An eager prefill
+        launches each kernel from the host (a few hundred a layer's worth), which costs more
+        than that much padding."""
         if not self.graphs.enabled:
             return None
-        length = max(PREFILL_MIN_LENGTH, 1 << (longest - 1).bit_length())
-        bucket = max(self.bucket_for(rows), min(2, self.max_rows))
-        padded = bucket * length
-        if padded > self.prefill_graph_tokens or (padded > PREFILL_SMALL and padded > PREFILL_PADDING * tokens):
+        step = PREFILL_LENGTH_STEP
+        length = max(PREFILL_MIN_LENGTH, 1 << (longest - 1).bit_length()) if longest <= step else -(-longest // step) * step
+        bucket = max(rows if rows <= PREFILL_EXACT_ROWS else self.bucket_for(rows), min(2, self.max_rows))
+        padded, eager = bucket * length, rows * -(-longest // PREFILL_ALIGN) * PREFILL_ALIGN
+        if padded > self.prefill_graph_tokens or (padded > PREFILL_SMALL and padded > PREFILL_PADDING * eager):
             return None
         return bucket, length
 
