@@ -184,10 +184,10 @@ class CompiledModel(torch.nn.Module):
             elif isinstance(value, (list, tuple)):
                 per_input[key] = settings.pop(key)
         manager = self._manager if self._manager is not None and self._manager.is_running() else None
-        requests = self._requests({}, generation_config)
+        requests = self._requests({}, generation_config, remember_settings=True)
         return generate_batch(requests, inputs, adapter_names, per_input, settings, progress_bar, manager)
 
-    def _requests(self, options: Mapping[str, Any], generation_config: Any) -> Requests:
+    def _requests(self, options: Mapping[str, Any], generation_config: Any, remember_settings: bool = False) -> Requests:
         """The request builder over this model's engine, built (or rebuilt, for other options) now."""
         defaults = {k: self._runtime_options[k] for k in ("max_batch_size", "max_len", "cuda_graphs", "prefill_graph_tokens")}
         wanted = StreamOptions(**{**defaults, "buckets": _tuple(self._runtime_options["buckets"]), **options})
@@ -197,7 +197,7 @@ class CompiledModel(torch.nn.Module):
                 self._engine = (wanted, engine)
             engine = self._engine[1]
         vocab = getattr(self.config.get_text_config(decoder=True), "vocab_size", None)
-        return Requests(engine, self.pool, self.generation_config, generation_config, vocab)
+        return Requests(engine, self.pool, self.generation_config, generation_config, vocab, remember_settings)
 
     @torch.no_grad()
     def generate(

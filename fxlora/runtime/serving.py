@@ -27,7 +27,7 @@ from fxlora.errors import AdapterError, GenerationConfigError
 from fxlora.runtime.backend import Backend
 from fxlora.runtime.block_allocator import blocks_for
 from fxlora.runtime.engine import Engine, Event
-from fxlora.runtime.generation_config import resolve
+from fxlora.runtime.generation_config import GenerationSettings, resolve
 from fxlora.runtime.kv_cache import probe_shapes
 from fxlora.runtime.paged_cache import PagedKVCache
 from fxlora.runtime.routing import check_adapter_keywords
@@ -96,9 +96,15 @@ def make_engine(
 class Requests:
     """Builds checked requests for one engine."""
 
-    def __init__(self, engine: Engine, pool: AdapterPool, model_config: Any, generation_config: Any, vocab_size: int | None):
+    def __init__(
+        self, engine: Engine, pool: AdapterPool, model_config: Any, generation_config: Any, vocab_size: int | None,
+        remember_settings: bool = False,
+    ):  # fmt: skip
+        """``remember_settings``: resolve each distinct set of keywords against the generation
+        configs once (one ``generate_batch`` call, where they cannot change), not per request."""
         self.engine, self.pool = engine, pool
         self.model_config, self.generation_config, self.vocab_size = model_config, generation_config, vocab_size
+        self._settings: dict[Any, GenerationSettings] | None = {} if remember_settings else None
 
     def make(
         self,
@@ -122,8 +128,7 @@ class Requests:
                 if settings.get("eos_token_id") is not None:
                     raise ValueError("pass eos_token_id or stop_token_ids, not both")
                 settings["eos_token_id"] = stop_token_ids
-            config = resolve(self.model_config, self.generation_config, max_new_tokens=max_new_tokens, **settings)
-            config.check_tokens(self.vocab_size)
+            config = self._resolve(max_new_tokens, settings)
             if len(config.eos_token_ids) > MAX_EOS:
                 raise GenerationConfigError(f"at most {MAX_EOS} end tokens per request, got {len(config.eos_token_ids)}")
             new_tokens = config.new_tokens(len(prompt))
@@ -160,6 +165,27 @@ class Requests:
         except (ValueError, TypeError) as e:
             raise type(e)(f"request {request_id!r}: {e}") from None
         return Sequence(request_id, prompt, adapter_name, decoding, streaming)
+
+
+    def _resolve(self, max_new_tokens: int | None, settings: dict[str, Any]) -> GenerationSettings:
+        """The request's settings, checked (remembered by their keywords where asked)."""
+        key = None
+        if self._settings is not None:
+            key = (max_new_tokens, tuple(sorted((k, _frozen(v)) for k, v in settings.items())))
+            try:
+                if key in self._settings:
+                    return self._settings[key]
+            except TypeError:  # an unhashable value: resolved each time
+                key = None
+        config = resolve(self.model_config, self.generation_config, max_new_tokens=max_new_tokens, **settings)
+        config.check_tokens(self.vocab_size)
+        if key is not None:
+            self._settings[key] = config
+        return config
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(map(_frozen, value)) if isinstance(value, (list, tuple)) else value
 
 
 def _prompt(input_ids: Any, vocab_size: int | None) -> list[int]:
