@@ -22,7 +22,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernel_sgmv.py tests/test_kernel_bgmv.py tests/test_kernel_lora_linear.py \
-    tests/test_kernel_lora_embedding.py tests/test_kernel_lora_embedding_delta.py tests/test_kernel_lora_conv_delta.py tests/test_kernel_batch_info.py tests/test_kernel_moe_lora.py tests/test_passes.py \
+    tests/test_kernel_lora_embedding.py tests/test_kernel_lora_embedding_delta.py tests/test_kernel_lora_conv_delta.py tests/test_kernel_lora_weight_rows.py tests/test_kernel_batch_info.py tests/test_kernel_moe_lora.py tests/test_passes.py \
     tests/test_kernel_decode_attention.py tests/test_pass_decode_attention.py tests/test_inner.py tests/test_kernel_lora_delta.py tests/test_kernel_lora_shrink.py \
     tests/test_coverage.py tests/test_kernel_grouped_mm.py \
     tests/test_gpu_runtime.py tests/test_gpu_moe.py tests/test_gpu_quantized.py \

@@ -177,3 +177,41 @@ def test_a_linear_inside_a_module_peft_wraps_for_its_parameter():
     assert any(".base_layer.proj." in key for key in adapters["a"][1])
     ids = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(4))
     mixed_against_peft(model, adapters, ["a", "b", None], ids)
+
+
+def test_rwkvs_time_mix_parameters_match_peft():
+    """RWKV's time-mix parameters ``(1, 1, hidden)`` mix each token with the one before,
+    ``hidden * W + shifted * (1 - W)``: each row gets its own adapted copy of ``W``."""
+    config = transformers.RwkvConfig(hidden_size=32, attention_hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     vocab_size=99, context_length=16)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.RwkvForCausalLM(config).float().eval()
+    fill_zero_weights(model, 0.5)
+    mix = ["attention.time_mix_key", "attention.time_mix_receptance", "feed_forward.time_mix_key"]
+    adapters = {
+        "a": make_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules=["key"], target_parameters=mix), seed=1, directory=""),
+        "b": make_adapter(model, LoraConfig(r=2, use_rslora=True, target_parameters=mix[1:]), seed=2, directory=""),
+    }  # fmt: skip
+    ids = torch.randint(3, 99, (4, 6), generator=torch.Generator().manual_seed(3))
+    cm = mixed_against_peft(model, adapters, ["a", None, "b", "a"], ids)
+    assert "LoRA of 3-D parameters in products with its values, a copy per row" in cm.explain()
+    assert "Not served:\n  nothing" in cm.explain()
+
+
+def test_values_that_meet_something_else_than_the_rows_are_refused():
+    """A parameter of one expert whose values enter a matmul before they meet the rows."""
+
+    class Mixing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(1, 8, 8) * 0.3)
+
+        def forward(self, h):
+            return h @ (self.weight * 2)[0]
+
+    model = Stacked("conv").eval()
+    model.block = Mixing()
+    adapter = make_adapter(model, LoraConfig(r=2, target_modules=["head"], target_parameters=["block.weight"]), seed=1, directory="")
+    cm = fxlora.compile(model, {"a": adapter}, max_loras=2, max_rank=4)
+    with pytest.raises(fxlora.LoraNotRunError, match="block.weight's values enter getitem before they meet the batch's rows"):
+        cm(input_ids=torch.randint(0, 50, (2, 5)), adapter_names=["a", None])

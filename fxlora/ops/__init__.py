@@ -26,6 +26,7 @@ from fxlora.ops.lora_embedding import lora_embedding
 from fxlora.ops.lora_embedding_delta import lora_embedding_delta
 from fxlora.ops.lora_linear import lora_linear, lora_linear_fused
 from fxlora.ops.lora_shrink import lora_shrink
+from fxlora.ops.lora_weight_rows import lora_weight_rows
 from fxlora.ops.moe_lora import COMPOSITIONS, moe_lora
 from fxlora.ops.operands import BatchInfo, LoraWeights
 from fxlora.ops.paged_attention import gather_pages, paged_decode_attention
@@ -37,6 +38,7 @@ LORA_OPS = frozenset({
     torch.ops.fxlora.lora_linear.default,
     torch.ops.fxlora.lora_linear_fused.default,
     torch.ops.fxlora.lora_shrink.default,
+    torch.ops.fxlora.lora_weight_rows.default,
     torch.ops.fxlora.lora_embedding.default,
     torch.ops.fxlora.lora_embedding_delta.default,
     torch.ops.fxlora.moe_lora.default,
@@ -58,6 +60,7 @@ __all__ = [
     "lora_linear",
     "lora_linear_fused",
     "lora_shrink",
+    "lora_weight_rows",
     "moe_lora",
     "paged_decode_attention",
 ]

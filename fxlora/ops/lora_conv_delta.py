@@ -17,17 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxlora.ops.operands import BatchInfo, LoraWeights
-
-
-def slot_deltas(weights: LoraWeights, transposed: bool) -> torch.Tensor:
-    """Every slot's weight delta, ``(S, channels, d1, d2)``: ``scaling[s] · B[s, c] @ A[s, c]``
-    over the slot's ``rank[s]`` (transposed to ``(in, out)`` where ``transposed``)."""
-    lora_a, lora_b, scaling, rank = weights  # (S, C, R, in), (S, C, out, R)
-    kept = (torch.arange(lora_a.shape[2], device=rank.device)[None, :] < rank[:, None]).to(lora_a.dtype)
-    delta = lora_b @ (lora_a * kept[:, None, :, None])
-    delta = delta * scaling.to(delta.dtype)[:, None, None, None]
-    return delta.transpose(-1, -2) if transposed else delta
+from fxlora.ops.operands import BatchInfo, LoraWeights, weight_deltas
 
 
 @torch.library.custom_op("fxlora::lora_conv_delta", mutates_args=())
@@ -47,7 +37,7 @@ def lora_conv_delta(
     output channel as PEFT's expert); ``batch``: the metadata of ``x``'s rows, one token each
     (:class:`BatchInfo`); the rest the convolution's own arguments."""
     rows, slot = x.shape[0], BatchInfo(*batch).token_slot.long()
-    delta = slot_deltas(LoraWeights(*lora), transposed).to(x.dtype)
+    delta = weight_deltas(LoraWeights(*lora), transposed).to(x.dtype)
     per_row = delta.index_select(0, slot.clamp(min=0)) * (slot >= 0).to(x.dtype)[:, None, None, None]
     out = F.conv1d(
         x.reshape(1, -1, x.shape[-1]), per_row.flatten(0, 1), None, stride, padding, dilation, groups * rows

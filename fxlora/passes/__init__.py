@@ -47,7 +47,7 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     (LORA, lora_linear),  # linear targets: fxlora::lora_linear(_fused), or lora_delta onto a traced base
     (LORA, lora_embedding),  # F.embedding of targets: fxlora::lora_embedding
     (LORA, lora_moe),  # experts regions: fxlora::moe_lora
-    (LORA, lora_parameters),  # other 3-D parameters: lora_delta per expert of a bmm, lora_conv_delta onto a conv1d
+    (LORA, lora_parameters),  # other 3-D parameters: lora_delta per expert of a bmm, lora_conv_delta, lora_weight_rows
     (LORA, batch_info),  # the LoRA ops' prologues: one per token layout
     (EACH_VARIANT, hoist),  # allocations: sites of the model's one arena
 )

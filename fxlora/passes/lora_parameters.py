@@ -6,9 +6,8 @@ transformers' experts modules (those are ``lora_moe``'s): the graph's reads of t
 (by identity with the model's tensor, through dtype casts and shape round trips) in its
 module's forward, and where each one goes. PEFT adapts the parameter only while its module
 runs, so a read elsewhere (Jamba's Mamba mixer passing ``conv1d.weight`` to a function) keeps
-the base weight in both, and is recorded as information. PEFT
-adapts ``P (experts, d1, d2)`` as ``P[e] += scaling · B[e] @ A[e]``, ``(out, in) = (d1, d2)``.
-Two uses are read:
+the base weight in both, and is recorded as information. PEFT adapts ``P (experts, d1, d2)``
+as ``P[e] += scaling · B[e] @ A[e]``, ``(out, in) = (d1, d2)``. Three uses are read:
 
 - ``bmm(X, P.transpose(1, 2))`` (``torch.bmm`` / ``torch.matmul``) is a linear per expert:
   ``Y[e] = X[e] @ P[e]ᵀ``, each expert's delta the LoRA delta of ``X[e]``'s tokens — of ``x``
@@ -22,15 +21,21 @@ Two uses are read:
   depthwise convolutions of Mamba-style layers), over ``x (rows, in, length)``: a convolution
   is linear in its weight, so ``fxlora::lora_conv_delta`` adds each row's
   ``conv1d(x_row, ΔW_row)`` onto the output, whose users then read the sum.
+- ``P (1, d1, d2)`` combined by pointwise operations with the batch's rows (RWKV's time mix,
+  ``hidden * P + shifted * (1 - P)``), followed until a result's first dimension is the rows:
+  each read becomes ``fxlora::lora_weight_rows``, every row's adapted copy ``(rows, d1, d2)``,
+  which broadcasts over its row as ``P`` did over all.
 
 Leaves alone, and records as skipped naming the parameter and the operation, a parameter the
-graph uses any other way (an ``einsum``, a product with the weight's values, a matmul of the
-parameter untransposed, a matmul whose experts' tokens are not the batch's in order: tokens
-routed to each, a convolution whose rows are not its input's first dimension): fxlora cannot
-read those as the operation PEFT's delta adds to.
+graph uses any other way (an ``einsum``, values that meet something other than the rows, a
+matmul of the parameter untransposed, a matmul whose experts' tokens are not the batch's in
+order: tokens routed to each, a convolution whose rows are not its input's first dimension):
+fxlora cannot read those as the operation PEFT's delta adds to.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -39,13 +44,23 @@ from fxlora.adapters import PoolTarget, experts
 from fxlora.compiler.context import PassContext
 from fxlora.compiler.graph_edit import CASTS, fake_value, input_values, meta_value
 from fxlora.compiler.operands import batch_info_for, lora_operands, pool_nodes
-from fxlora.compiler.rows import row_dim
+from fxlora.compiler.rows import batch_placeholder, row_dim
 from fxlora.errors import NotServed
 
 MATMULS = {torch.bmm, torch.matmul, torch.ops.aten.bmm.default}
 CONV1D = {torch.conv1d, torch.nn.functional.conv1d}
 _SHAPE_METHODS = {"squeeze", "unsqueeze", "view", "reshape"}  # a use reads the parameter through these ...
 _SHAPE_FUNCTIONS = {torch.squeeze, torch.unsqueeze, torch.reshape}  # ... where they give back its shape
+HOW = {  # the op a parameter's use becomes -> how explain() says it
+    "fxlora::lora_delta": "a batched matmul, a delta per expert",
+    "fxlora::lora_conv_delta": "a 1-D convolution",
+    "fxlora::lora_weight_rows": "products with its values, a copy per row",
+}
+_POINTWISE_FUNCTIONS = {
+    operator.mul, operator.add, operator.sub, operator.truediv, operator.neg,
+    torch.mul, torch.add, torch.sub, torch.div, torch.rsub, torch.neg, torch.sigmoid, torch.exp, torch.tanh,
+}  # fmt: skip
+_POINTWISE_METHODS = {"mul", "add", "sub", "div", "rsub", "neg", "sigmoid", "exp", "tanh"}
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 _TRANSPOSES = ({1, 2}, {-1, -2}, {1, -1}, {2, -2})  # of a 3-D tensor's last two dimensions
@@ -53,7 +68,7 @@ _TRANSPOSES = ({1, 2}, {-1, -2}, {1, -1}, {2, -2})  # of a 3-D tensor's last two
 
 def lora_parameters(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     values = input_values(gm, ctx)
-    served: dict[str, list[str]] = {"a batched matmul, a delta per expert": [], "a 1-D convolution": []}
+    served: dict[str, list[str]] = {op: [] for op in HOW}
     for fqn, target in ctx.pool.targets.items():
         info = target.info
         if info.kind != "experts" or experts.is_experts(info.owner):
@@ -68,45 +83,106 @@ def lora_parameters(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if not fed:
             continue  # this graph does not read it where PEFT adapts it
         uses = [u for u, _ in fed]
-        convs = [u for u in uses if u.target in CONV1D]
-        if convs:
-            try:
-                _check_uses(fqn, fed, info.weight.shape)
-                if len(convs) < len(uses):
-                    others = ", ".join(sorted({_name(u) for u in uses if u.target not in CONV1D}))
-                    raise NotServed(f"its 3-D parameter {fqn} enters conv1d and {others}: fxlora reads it only as "
-                                    "a convolution's weight")  # fmt: skip
-                for conv in convs:
-                    _check_conv(gm, ctx, fqn, conv)
-            except NotServed as why:
-                ctx.leave_traced(fqn, str(why))
-                continue
-            for conv in convs:
-                _serve_conv(gm, ctx, target, conv)
-            ctx.rewritten[fqn] = "fxlora::lora_conv_delta"
-            served["a 1-D convolution"].append(fqn)
-            continue
-        inputs = []  # every matmul's experts' inputs and their rows, before anything is served
+        serve = _by_conv if any(u.target in CONV1D for u in uses) else _by_values if all(map(_pointwise, uses)) else _by_matmul
         try:
             _check_uses(fqn, fed, info.weight.shape)
-            for mm in (_matmul(fqn, u, info.experts) for u in uses):
-                inputs.append((mm, _inputs(gm, ctx, target, mm)))
+            op = serve(gm, ctx, target, fed)
         except NotServed as why:
-            for _, prepared in inputs:
-                _erase(gm, prepared)
             ctx.leave_traced(fqn, str(why))
             continue
-        for mm, prepared in inputs:
-            _serve(gm, ctx, target, mm, prepared)
-        ctx.rewritten[fqn] = "fxlora::lora_delta"
-        served["a batched matmul, a delta per expert"].append(fqn)
-    for how, fqns in served.items():
+        ctx.rewritten[fqn] = op
+        served[op].append(fqn)
+    for op, fqns in served.items():
         if fqns:
             names = sorted({f.rpartition(".")[0].rpartition(".")[2] + "." + f.rpartition(".")[2] for f in fqns})
-            ctx.record("served", fqns, f"LoRA of 3-D parameters in {how}: {', '.join(names)}")
+            ctx.record("served", fqns, f"LoRA of 3-D parameters in {HOW[op]}: {', '.join(names)}")
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _by_conv(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: list[tuple[fx.Node, fx.Node]]) -> str:
+    """Serve a parameter that is a ``conv1d``'s weight; raises :class:`NotServed` (the graph
+    as it was) where it is also used otherwise or a convolution cannot take the delta."""
+    uses, fqn = [u for u, _ in fed], target.fqn
+    convs = [u for u in uses if u.target in CONV1D]
+    if len(convs) < len(uses):
+        others = ", ".join(sorted({_name(u) for u in uses if u.target not in CONV1D}))
+        raise NotServed(f"its 3-D parameter {fqn} enters conv1d and {others}: fxlora reads it only as a convolution's weight")
+    for conv in convs:
+        _check_conv(gm, ctx, fqn, conv)
+    for conv in convs:
+        _serve_conv(gm, ctx, target, conv)
+    return "fxlora::lora_conv_delta"
+
+
+def _by_matmul(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: list[tuple[fx.Node, fx.Node]]) -> str:
+    """Serve a parameter that enters batched matmuls transposed; raises :class:`NotServed`
+    (the graph as it was) naming a use that is not one."""
+    inputs = []  # every matmul's experts' inputs and their rows, before anything is served
+    try:
+        for mm in (_matmul(target.fqn, u, target.info.experts) for u, _ in fed):
+            inputs.append((mm, _inputs(gm, ctx, target, mm)))
+    except NotServed:
+        for _, prepared in inputs:
+            _erase(gm, prepared)
+        raise
+    for mm, prepared in inputs:
+        _serve(gm, ctx, target, mm, prepared)
+    return "fxlora::lora_delta"
+
+
+def _by_values(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: list[tuple[fx.Node, fx.Node]]) -> str:
+    """Serve a parameter of one expert, ``(1, d1, d2)``, that pointwise operations combine with
+    the batch's rows (``hidden * W + shifted * (1 - W)``): each read becomes every row's own
+    adapted copy, ``(rows, d1, d2)``, which broadcasts over its row as ``W`` did over all.
+    Raises :class:`NotServed` (the graph as it was) where the parameter has more experts, the
+    rows are unknown, or its values meet something other than the rows' first dimension."""
+    info, fqn, graph = target.info, target.fqn, gm.graph
+    if info.weight.shape[0] != 1:
+        raise NotServed(f"its 3-D parameter {fqn} of {info.weight.shape[0]} experts enters {_name(fed[0][0])}: "
+                        "fxlora reads a parameter by its values only with one expert, (1, d1, d2)")  # fmt: skip
+    batch = batch_placeholder(gm, ctx)
+    if batch is None:
+        raise NotServed(f"its 3-D parameter {fqn} is used by its values in a graph whose batch input is unknown")
+    for use, _ in fed:
+        _meets_rows(gm, ctx, fqn, use)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for via in dict.fromkeys(via for _, via in fed):
+        users = [u for u, v in fed if v is via]
+        with graph.inserting_before(min(users, key=order.__getitem__)):
+            rows = batch_info_for(gm, ctx, batch, meta_value(batch).dim() - 1, 0)  # a token per row
+            copies = graph.call_function(torch.ops.fxlora.lora_weight_rows.default,
+                                         (via, pool_nodes(gm, target), rows, getattr(info.owner, "is_transposed", False)))  # fmt: skip
+            copies.meta["fxlora_module"] = target.module
+            count = meta_value(batch).shape[0]
+            fake_value(copies, lambda w: w.new_empty((count, *w.shape)), via)  # noqa: B023
+            own = graph.call_function(torch.select, (copies, 1, 0))
+            fake_value(own, lambda c: c.select(1, 0), copies)
+        for user in users:
+            user.replace_input_with(via, own)
+    return "fxlora::lora_weight_rows"
+
+
+def _pointwise(node: fx.Node) -> bool:
+    return node.target in _POINTWISE_FUNCTIONS or node.op == "call_method" and node.target in _POINTWISE_METHODS
+
+
+def _meets_rows(gm: fx.GraphModule, ctx: PassContext, fqn: str, node: fx.Node) -> None:
+    """Follow ``node`` (a pointwise use of the parameter's values) through pointwise operations
+    while its first dimension stays 1, to where it meets the batch's rows as its first
+    dimension; raises :class:`NotServed` naming the operation where it does not."""
+    value = meta_value(node)
+    if not isinstance(value, torch.Tensor) or value.dim() != 3:
+        raise NotServed(f"its 3-D parameter {fqn} enters {_name(node)}, which gives no (rows, d1, d2) tensor")
+    if value.shape[0] != 1:
+        if row_dim(gm, ctx, node, feature_dims=2) != 0:
+            raise NotServed(f"its 3-D parameter {fqn} enters {_name(node)}, whose first dimension is not the batch's rows")
+        return
+    for user in node.users:
+        if not _pointwise(user):
+            raise NotServed(f"its 3-D parameter {fqn}'s values enter {_name(user)} before they meet the batch's rows")
+        _meets_rows(gm, ctx, fqn, user)
 
 
 def _inside(node: fx.Node, module: str) -> bool:
