@@ -110,7 +110,7 @@ def test_a_user_decorated_forward_end_to_end(keep_signature):
     assert "nothing: every target runs its LoRA" in cm.explain()
 
 
-FAMILIES = ["llama", "qwen2", "phi3", "mistral", "gemma2"]
+FAMILIES = ["llama", "phi3", "gemma2"]  # rotary attention, fused projections, soft-capping
 SHAPES = [(5, 4), (1, 3), (3, 6)]
 
 
