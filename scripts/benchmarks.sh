@@ -3,9 +3,15 @@
 #   scripts/benchmarks.sh [--quick]                every benchmark
 #   BENCHMARKS="decode_moe" scripts/benchmarks.sh  only those named
 #   GPUS=2 scripts/benchmarks.sh                   the generate_* systems side by side, one GPU each
+#   LATEST_WHEELS=<dir> scripts/benchmarks.sh      the wheels there (the newest transformers, peft) first
+# The stream and tier benchmarks run only when named (BENCHMARKS="stream stream_base tiers").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
+if [ -n "${LATEST_WHEELS:-}" ]; then
+    pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/latest-site "$LATEST_WHEELS"/*.whl || exit 1
+    export PYTHONPATH="/tmp/latest-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 declare -A RUNS=(
     [lora_linear]="lora_linear.py"
@@ -16,6 +22,10 @@ declare -A RUNS=(
     [generate_moe]="generate.py --model qwen3_moe --gpus ${GPUS:-1}"
     [generate_fp8]="generate.py --model llama --quant fp8 --adapters 4,16 --systems fxlora,transformers --gpus ${GPUS:-1}"
     [generate_moe_fp8]="generate.py --model qwen3_moe --quant fp8 --adapters 4,16 --systems fxlora,transformers --gpus ${GPUS:-1}"
+    [stream]="stream.py --model llama --systems stream,static"
+    [stream_base]="stream.py --model llama --adapters 0 --systems stream,static,transformers-compiled"
+    [stream_8b]="stream.py --model llama8b --systems stream,static"
+    [tiers]="tiers.py --slots 256,16,64"
 )
 for name in ${BENCHMARKS:-lora_linear decode_attention decode decode_moe generate generate_moe generate_fp8 generate_moe_fp8}; do
     # shellcheck disable=SC2086  # the entry holds the script and its arguments
