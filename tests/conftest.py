@@ -25,6 +25,13 @@ settings.register_profile(
 settings.load_profile("fxlora")
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked ``long`` (half a minute or more on two CPU cores) first, in their order: under
+    pytest-xdist the short ones then fill in around them, instead of a long one ending the run
+    alone."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():

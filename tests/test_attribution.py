@@ -114,6 +114,7 @@ FAMILIES = ["llama", "phi3", "gemma2"]  # rotary attention, fused projections, s
 SHAPES = [(5, 4), (1, 3), (3, 6)]
 
 
+@pytest.mark.long
 def test_many_models_and_shapes_in_one_process():
     """Each model is called at several batch sizes and lengths through fxlora.compile and
     through torch.compile: no recompile limit is met, and every call matches PEFT."""

@@ -101,6 +101,7 @@ print(json.dumps(dict(counters["aot_autograd"])))
 """
 
 
+@pytest.mark.long
 def test_a_second_process_takes_both_variants_from_the_cache(tmp_path):
     # the warm setup: nothing in either variant keeps AOTAutograd's cache from serving it in
     # another process (a plain function's call in the graph, a set of names in the key)

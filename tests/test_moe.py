@@ -165,6 +165,7 @@ def test_target_parameters_through_torch_compile_names_the_way_out():
     torch._dynamo.reset()
 
 
+@pytest.mark.long
 @settings(deadline=None)
 @given(
     family=st.sampled_from(sorted(MOE_FAMILIES)),

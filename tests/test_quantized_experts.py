@@ -189,6 +189,7 @@ def test_int8_experts_stored_transposed_are_refused():
     assert model.config._experts_implementation == "eager"
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
 def test_float8_experts_stored_transposed_serve_rows_without_adapters(inner):
     """GPT-OSS's float8 experts (E, in, out): the composition dequantises them (torchao's

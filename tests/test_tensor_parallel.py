@@ -208,6 +208,7 @@ def check_an_adapter_on_the_embedding_is_served(case):
         assert op in report["embedding_ops"], (report["embedding_placements"], report["embedding_ops"])
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("case_name", sorted(CASES))
 def test_two_ranks_serve_the_sharded_model(case_name, tmp_path_factory):
     """One launch of the ranks per case (a minute or more on CPU), every check on it."""
