@@ -215,3 +215,25 @@ def test_values_that_meet_something_else_than_the_rows_are_refused():
     cm = fxlora.compile(model, {"a": adapter}, max_loras=2, max_rank=4)
     with pytest.raises(fxlora.LoraNotRunError, match="block.weight's values enter getitem before they meet the batch's rows"):
         cm(input_ids=torch.randint(0, 50, (2, 5)), adapter_names=["a", None])
+
+
+def test_jetmoes_routed_experts_match_peft():
+    """JetMoE's experts (attention and MLP) each run ``F.linear(x, weight[e])`` over the tokens
+    routed to them, ``split(hidden[index], counts)``: each routed token reads its own row's
+    slot, through the second linear's input too (the first's outputs, concatenated and gated)."""
+    config = transformers.JetMoeConfig(
+        hidden_size=32, intermediate_size=37, kv_channels=8, num_experts_per_tok=2, num_hidden_layers=2,
+        num_key_value_heads=2, num_local_experts=4, vocab_size=99,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.JetMoeForCausalLM(config).float().eval()
+    fill_zero_weights(model, 0.5)
+    experts = ["input_linear.weight", "output_linear.weight"]
+    adapters = {
+        "a": make_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", target_parameters=experts), seed=1, directory=""),
+        "b": make_adapter(model, LoraConfig(r=2, use_rslora=True, target_parameters=experts[1:]), seed=2, directory=""),
+    }  # fmt: skip
+    ids = torch.randint(3, 99, (4, 6), generator=torch.Generator().manual_seed(3))
+    cm = mixed_against_peft(model, adapters, ["a", None, "b", "a"], ids)
+    assert "LoRA of 3-D parameters in linears over the tokens routed to each expert" in cm.explain()
+    assert "Not served:\n  nothing" in cm.explain()

@@ -87,17 +87,21 @@ def _free_size(like: torch.Tensor, dim: int) -> int | torch.SymInt:
 
 
 def batch_info_for(
-    gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, feature_dims: int, row_dim: int
+    gm: fx.GraphModule, ctx: PassContext, tokens: fx.Node, feature_dims: int, row_dim: int, slot_ids: fx.Node | None = None
 ) -> list[fx.Node]:
     """Insert a prologue for ``tokens`` (rows along ``row_dim``, from
     :func:`fxlora.compiler.rows.row_dim`) at the current insertion point; returns its outputs,
-    a ``getitem`` each: the list a LoRA op takes as its ``batch`` bundle."""
-    slot_ids = slot_ids_placeholder(gm, ctx, tokens, row_dim)
+    a ``getitem`` each: the list a LoRA op takes as its ``batch`` bundle. ``slot_ids``: a slot
+    per token of a graph's own making (tokens routed from the batch's), in place of the
+    graph's per-row input; such a prologue is its own, never shared."""
+    own = slot_ids is not None
+    slot_ids = slot_ids if own else slot_ids_placeholder(gm, ctx, tokens, row_dim)
     node = gm.graph.call_function(
         torch.ops.fxlora.batch_info.default, (slot_ids, tokens, feature_dims, ctx.pool.max_loras, row_dim)
     )
     shape = meta_shape(tokens)
-    node.meta[PROLOGUE_LAYOUT] = None if shape is None else f"{shape[: len(shape) - feature_dims]} rows {row_dim}"
+    layout = None if shape is None or own else f"{shape[: len(shape) - feature_dims]} rows {row_dim}"
+    node.meta[PROLOGUE_LAYOUT] = layout
     outputs = []
     for i in range(len(node.target._schema.returns)):
         out = gm.graph.call_function(operator.getitem, (node, i))
@@ -113,11 +117,12 @@ def lora_operands(
     rows: int,
     workspace: bool = True,
     expert: int | None = None,
+    slot_ids: fx.Node | None = None,
 ) -> tuple[list[fx.Node], list[fx.Node], fx.Node | None]:
     """What a linear LoRA op takes after its base operands, inserted at the current point:
     the factors' bundle (of one ``expert`` of an experts target: its slices), the batch info
-    bundle of ``x``'s tokens (rows along its dimension ``rows``) and (``workspace``) the
-    shrink's workspace."""
+    bundle of ``x``'s tokens (rows along its dimension ``rows``, or each token's slot in
+    ``slot_ids``: :func:`batch_info_for`) and (``workspace``) the shrink's workspace."""
     lora = pool_nodes(gm, factors)
     lora_a = factors.lora_a
     if expert is not None:
@@ -128,4 +133,4 @@ def lora_operands(
     if workspace:
         scratch = gm.graph.call_function(lora_workspace, (x, lora[0]))
         fake_value(scratch, lambda xv: lora_workspace(xv, lora_a), x)
-    return lora, batch_info_for(gm, ctx, x, 1, rows), scratch
+    return lora, batch_info_for(gm, ctx, x, 1, rows, slot_ids), scratch

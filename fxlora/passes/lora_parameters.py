@@ -39,6 +39,7 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from fxlora.adapters import PoolTarget, experts
 from fxlora.compiler.context import PassContext
@@ -51,16 +52,19 @@ MATMULS = {torch.bmm, torch.matmul, torch.ops.aten.bmm.default}
 CONV1D = {torch.conv1d, torch.nn.functional.conv1d}
 _SHAPE_METHODS = {"squeeze", "unsqueeze", "view", "reshape"}  # a use reads the parameter through these ...
 _SHAPE_FUNCTIONS = {torch.squeeze, torch.unsqueeze, torch.reshape}  # ... where they give back its shape
-HOW = {  # the op a parameter's use becomes -> how explain() says it
-    "fxlora::lora_delta": "a batched matmul, a delta per expert",
-    "fxlora::lora_conv_delta": "a 1-D convolution",
-    "fxlora::lora_weight_rows": "products with its values, a copy per row",
+WAYS = {  # each way a parameter is read -> the op it becomes, and how explain() says it
+    "bmm": ("fxlora::lora_delta", "a batched matmul, a delta per expert"),
+    "routes": ("fxlora::lora_delta", "linears over the tokens routed to each expert"),
+    "conv": ("fxlora::lora_conv_delta", "a 1-D convolution"),
+    "values": ("fxlora::lora_weight_rows", "products with its values, a copy per row"),
 }
 _POINTWISE_FUNCTIONS = {
     operator.mul, operator.add, operator.sub, operator.truediv, operator.neg,
     torch.mul, torch.add, torch.sub, torch.div, torch.rsub, torch.neg, torch.sigmoid, torch.exp, torch.tanh,
 }  # fmt: skip
 _POINTWISE_METHODS = {"mul", "add", "sub", "div", "rsub", "neg", "sigmoid", "exp", "tanh"}
+_ACTIVATIONS = {F.silu, F.gelu, F.relu, F.sigmoid, F.tanh, torch.relu}  # row-wise, for _routed
+_LINEARS = {torch._C._nn.linear, F.linear}
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 _TRANSPOSES = ({1, 2}, {-1, -2}, {1, -1}, {2, -2})  # of a 3-D tensor's last two dimensions
@@ -68,7 +72,7 @@ _TRANSPOSES = ({1, 2}, {-1, -2}, {1, -1}, {2, -2})  # of a 3-D tensor's last two
 
 def lora_parameters(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     values = input_values(gm, ctx)
-    served: dict[str, list[str]] = {op: [] for op in HOW}
+    served: dict[str, list[str]] = {way: [] for way in WAYS}
     for fqn, target in ctx.pool.targets.items():
         info = target.info
         if info.kind != "experts" or experts.is_experts(info.owner):
@@ -83,19 +87,26 @@ def lora_parameters(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if not fed:
             continue  # this graph does not read it where PEFT adapts it
         uses = [u for u, _ in fed]
-        serve = _by_conv if any(u.target in CONV1D for u in uses) else _by_values if all(map(_pointwise, uses)) else _by_matmul
+        if any(u.target in CONV1D for u in uses):
+            serve = _by_conv
+        elif all(map(_pointwise, uses)):
+            serve = _by_values
+        elif all(map(_expert_index, uses)):
+            serve = _by_routes
+        else:
+            serve = _by_matmul
         try:
             _check_uses(fqn, fed, info.weight.shape)
-            op = serve(gm, ctx, target, fed)
+            way = serve(gm, ctx, target, fed)
         except NotServed as why:
             ctx.leave_traced(fqn, str(why))
             continue
-        ctx.rewritten[fqn] = op
-        served[op].append(fqn)
-    for op, fqns in served.items():
+        ctx.rewritten[fqn] = WAYS[way][0]
+        served[way].append(fqn)
+    for way, fqns in served.items():
         if fqns:
             names = sorted({f.rpartition(".")[0].rpartition(".")[2] + "." + f.rpartition(".")[2] for f in fqns})
-            ctx.record("served", fqns, f"LoRA of 3-D parameters in {HOW[op]}: {', '.join(names)}")
+            ctx.record("served", fqns, f"LoRA of 3-D parameters in {WAYS[way][1]}: {', '.join(names)}")
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -113,7 +124,7 @@ def _by_conv(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: list
         _check_conv(gm, ctx, fqn, conv)
     for conv in convs:
         _serve_conv(gm, ctx, target, conv)
-    return "fxlora::lora_conv_delta"
+    return "conv"
 
 
 def _by_matmul(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: list[tuple[fx.Node, fx.Node]]) -> str:
@@ -129,7 +140,7 @@ def _by_matmul(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: li
         raise
     for mm, prepared in inputs:
         _serve(gm, ctx, target, mm, prepared)
-    return "fxlora::lora_delta"
+    return "bmm"
 
 
 def _by_values(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: list[tuple[fx.Node, fx.Node]]) -> str:
@@ -161,7 +172,104 @@ def _by_values(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: li
             fake_value(own, lambda c: c.select(1, 0), copies)
         for user in users:
             user.replace_input_with(via, own)
-    return "fxlora::lora_weight_rows"
+    return "values"
+
+
+def _by_routes(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: list[tuple[fx.Node, fx.Node]]) -> str:
+    """Serve a parameter whose experts each run a linear over the tokens routed to them,
+    ``F.linear(x, P[e])``, ``x`` a piece of ``split(source[index], sizes)`` (JetMoE's experts),
+    followed back through what one experts' linears hand the next (:func:`_routed`): each
+    routed token reads its source token's slot, ``token_slot[index]``, split as the tokens are,
+    and expert ``e``'s ``lora_delta`` adds onto its linear's output. Raises
+    :class:`NotServed` (the graph as it was) where a use is no such linear."""
+    fqn, graph = target.fqn, gm.graph
+    plans = []
+    for use, _ in fed:
+        (linear,) = use.users if len(use.users) == 1 else (None,)
+        if linear is None or linear.target not in _LINEARS or linear.args[1] is not use:
+            raise NotServed(f"its 3-D parameter {fqn} is indexed by expert for {_name(linear) if linear else 'several uses'}, "
+                            "not one F.linear's weight")  # fmt: skip
+        piece = _routed(gm, ctx, linear.args[0])
+        if piece is None or piece[0] != "piece":
+            raise NotServed(f"its 3-D parameter {fqn}'s expert {use.args[1]} runs F.linear over tokens fxlora cannot "
+                            "follow back to the batch's rows")  # fmt: skip
+        plans.append((use.args[1], linear, piece))
+    for expert, linear, (_, source, index, split, k) in plans:
+        x = linear.args[0]
+        with graph.inserting_before(linear.next):
+            token_slot = batch_info_for(gm, ctx, source, 1, row_dim(gm, ctx, source, feature_dims=1))[0]
+            routed = graph.call_function(operator.getitem, (token_slot, index))
+            fake_value(routed, lambda t: t[meta_value(index)], token_slot)  # noqa: B023
+            pieces = graph.call_function(torch.split, (routed, split.args[1]), {"dim": 0})
+            fake_value(pieces, lambda t: torch.split(t, split.args[1], dim=0), routed)  # noqa: B023
+            slots = graph.call_function(operator.getitem, (pieces, k))
+            fake_value(slots, lambda t: t[k], pieces)  # noqa: B023
+            operands = lora_operands(gm, ctx, x, target, 0, expert=expert, slot_ids=slots)
+            op = graph.call_function(torch.ops.fxlora.lora_delta.default, (x, [linear], *operands))
+            op.meta["fxlora_module"], op.meta["example_value"] = target.module, None
+    return "routes"
+
+
+def _expert_index(node: fx.Node) -> bool:
+    """Whether ``node`` is ``P[e]``, one expert of the parameter by an int index."""
+    return node.target is operator.getitem and isinstance(node.args[1], int)
+
+
+def _routed(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, depth: int = 0) -> tuple | None:
+    """Where the tokens of ``node`` come from: ``("whole", source, index)`` for
+    ``source[index]`` (``source`` the batch's tokens, ``(tokens, features)``), ``("piece", source,
+    index, split, k)`` for piece ``k`` of ``split`` over such tokens; followed back through
+    linears, row-wise pointwise operations, chunks along the features, and the ``cat`` of every
+    piece of one split in order. None where they cannot be told."""
+    if not isinstance(node, fx.Node) or depth > 32:
+        return None
+    args, target = node.args, node.target
+    if target is operator.getitem and isinstance(args[1], fx.Node):  # source[index]
+        value, index = meta_value(args[0]), meta_value(args[1])
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and isinstance(index, torch.Tensor) and index.dim() == 1:
+            try:
+                if row_dim(gm, ctx, args[0], feature_dims=1) == 0 and not index.is_floating_point():
+                    return ("whole", args[0], args[1])
+            except NotServed:
+                return None
+        return None
+    if target is operator.getitem and isinstance(args[1], int) and isinstance(args[0], fx.Node):
+        inner = args[0]
+        if _is_split(inner, dim0=True):
+            whole = _routed(gm, ctx, inner.args[0], depth + 1)
+            return ("piece", whole[1], whole[2], inner, args[1]) if whole and whole[0] == "whole" else None
+        if _is_split(inner, dim0=False):  # a chunk of the features: the same tokens
+            return _routed(gm, ctx, inner.args[0], depth + 1)
+        return None
+    if target in _LINEARS or node.op == "call_method" and target in CASTS | {"contiguous"}:
+        return _routed(gm, ctx, args[0], depth + 1)
+    if target in (torch.cat, torch.concat) and (args[1] if len(args) > 1 else node.kwargs.get("dim", 0)) == 0:
+        pieces = [_routed(gm, ctx, n, depth + 1) for n in args[0]]
+        first = pieces[0] if pieces else None
+        if first and first[0] == "piece" and all(
+            p and p[0] == "piece" and p[1:4] == first[1:4] and p[4] == k for k, p in enumerate(pieces)
+        ) and len(pieces) == len(meta_value(first[3]) or ()):
+            return ("whole", first[1], first[2])
+        return None
+    if _pointwise(node) or target in _ACTIVATIONS:
+        rows = getattr(meta_value(node), "shape", (None,))[:1]
+        found = {_routed(gm, ctx, a, depth + 1) for a in node.all_input_nodes
+                 if getattr(meta_value(a), "shape", (None,))[:1] == rows}  # fmt: skip
+        return found.pop() if len(found) == 1 else None
+    return None
+
+
+def _is_split(node: fx.Node, dim0: bool) -> bool:
+    """Whether ``node`` splits a tensor by sizes along its first dimension (``dim0``), or splits
+    or chunks it along its last."""
+    splits = node.target is torch.split or node.op == "call_method" and node.target == "split"
+    chunks = node.target is torch.chunk or node.op == "call_method" and node.target == "chunk"
+    if not (splits or chunks and not dim0):  # pieces of the tokens by sizes only: split
+        return False
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    value = meta_value(node.args[0])
+    last = isinstance(value, torch.Tensor) and dim in (-1, value.dim() - 1)
+    return dim == 0 if dim0 else last and dim != 0
 
 
 def _pointwise(node: fx.Node) -> bool:
