@@ -7,7 +7,7 @@ transformers' experts modules (those are ``lora_moe``'s): the graph's reads of t
 module's forward, and where each one goes. PEFT adapts the parameter only while its module
 runs, so a read elsewhere (Jamba's Mamba mixer passing ``conv1d.weight`` to a function) keeps
 the base weight in both, and is recorded as information. PEFT adapts ``P (experts, d1, d2)``
-as ``P[e] += scaling · B[e] @ A[e]``, ``(out, in) = (d1, d2)``. Three uses are read:
+as ``P[e] += scaling · B[e] @ A[e]``, ``(out, in) = (d1, d2)``. Four uses are read:
 
 - ``bmm(X, P.transpose(1, 2))`` (``torch.bmm`` / ``torch.matmul``) is a linear per expert:
   ``Y[e] = X[e] @ P[e]ᵀ``, each expert's delta the LoRA delta of ``X[e]``'s tokens — of ``x``
@@ -25,12 +25,19 @@ as ``P[e] += scaling · B[e] @ A[e]``, ``(out, in) = (d1, d2)``. Three uses are 
   ``hidden * P + shifted * (1 - P)``), followed until a result's first dimension is the rows:
   each read becomes ``fxlora::lora_weight_rows``, every row's adapted copy ``(rows, d1, d2)``,
   which broadcasts over its row as ``P`` did over all.
+- ``F.linear(x, P[e])`` over the tokens routed to expert ``e``: ``x`` a piece of
+  ``split(source[index], counts)``, or of what the previous experts' linears made of one
+  (followed back through row-wise operations, chunks of the features, and the ``cat`` of a
+  split's pieces in order: JetMoE's experts). Each routed token's slot is its source token's,
+  ``token_slot[index]``, split as the tokens are (a prologue of the graph's own slots), and one
+  ``fxlora::lora_delta`` per expert adds onto its linear's output.
 
 Leaves alone, and records as skipped naming the parameter and the operation, a parameter the
 graph uses any other way (an ``einsum``, values that meet something other than the rows, a
-matmul of the parameter untransposed, a matmul whose experts' tokens are not the batch's in
-order: tokens routed to each, a convolution whose rows are not its input's first dimension):
-fxlora cannot read those as the operation PEFT's delta adds to.
+matmul of the parameter untransposed, a batched matmul whose experts' tokens are not the
+batch's in order, routed tokens it cannot follow back to their source, a convolution whose
+rows are not its input's first dimension): fxlora cannot read those as the operation PEFT's
+delta adds to.
 """
 
 from __future__ import annotations
