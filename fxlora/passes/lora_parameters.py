@@ -193,7 +193,7 @@ def _by_routes(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: li
     plans = []
     for use, _ in fed:
         (linear,) = use.users if len(use.users) == 1 else (None,)
-        if linear is None or linear.target not in _LINEARS or linear.args[1] is not use:
+        if linear is None or linear.target not in _LINEARS or len(linear.args) < 2 or linear.args[1] is not use:
             raise NotServed(f"its 3-D parameter {fqn} is indexed by expert for {_name(linear) if linear else 'several uses'}, "
                             "not one F.linear's weight")  # fmt: skip
         piece = _routed(gm, ctx, linear.args[0])
@@ -201,14 +201,18 @@ def _by_routes(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: li
             raise NotServed(f"its 3-D parameter {fqn}'s expert {use.args[1]} runs F.linear over tokens fxlora cannot "
                             "follow back to the batch's rows")  # fmt: skip
         plans.append((use.args[1], linear, piece))
-    for expert, linear, (_, source, index, split, k) in plans:
+    split_slots: dict[fx.Node, fx.Node] = {}  # a split of routed tokens -> the same split of their slots
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for expert, linear, (_, source, index, split, k) in sorted(plans, key=lambda p: order[p[1]]):
         x = linear.args[0]
         with graph.inserting_before(linear.next):
-            token_slot = batch_info_for(gm, ctx, source, 1, row_dim(gm, ctx, source, feature_dims=1))[0]
-            routed = graph.call_function(operator.getitem, (token_slot, index))
-            fake_value(routed, lambda t: t[meta_value(index)], token_slot)  # noqa: B023
-            pieces = graph.call_function(torch.split, (routed, split.args[1]), {"dim": 0})
-            fake_value(pieces, lambda t: torch.split(t, split.args[1], dim=0), routed)  # noqa: B023
+            if split not in split_slots:
+                token_slot = batch_info_for(gm, ctx, source, 1, row_dim(gm, ctx, source, feature_dims=1))[0]
+                routed = graph.call_function(operator.getitem, (token_slot, index))
+                fake_value(routed, lambda t: t[meta_value(index)], token_slot)  # noqa: B023
+                split_slots[split] = graph.call_function(torch.split, (routed, split.args[1]), {"dim": 0})
+                fake_value(split_slots[split], lambda t: torch.split(t, split.args[1], dim=0), routed)  # noqa: B023
+            pieces = split_slots[split]
             slots = graph.call_function(operator.getitem, (pieces, k))
             fake_value(slots, lambda t: t[k], pieces)  # noqa: B023
             operands = lora_operands(gm, ctx, x, target, 0, expert=expert, slot_ids=slots)
