@@ -5,10 +5,9 @@ PEFT reads the weight ``W (channels, d1, d2)`` as one small matrix per output ch
 ``ΔW[c] = scaling · B[c] @ A[c]`` (transposed where the module says ``is_transposed``) to it
 before the convolution. A convolution is linear in its weight, so a row with slot ``s`` gets
 ``conv1d(x_row, W) + conv1d(x_row, ΔW_s)`` with the same stride, padding, dilation and groups:
-the op adds the second term onto ``y`` (the traced convolution's output). Every slot's ``ΔW``
-is built from the pool (``(slots, channels, d1, d2)``: the kernels are small), each row takes
-its slot's, and all rows run as one grouped convolution; rows without an adapter take zeros
-and keep their values. All ATen, with no read of device values on the host: it runs as is on
+the op adds the second term onto ``y`` (the traced convolution's output). Each row's ``ΔW`` is
+built from its slot's factors (``(rows, channels, d1, d2)``: the kernels are small), and all
+rows run as one grouped convolution; rows without an adapter take zeros and keep their values. All ATen, with no read of device values on the host: it runs as is on
 every device and inside CUDA graphs.
 """
 
@@ -36,9 +35,8 @@ def lora_conv_delta(
     ``(rows, channels, length')``; ``lora``: the weight's factors (:class:`LoraWeights`, an
     output channel as PEFT's expert); ``batch``: the metadata of ``x``'s rows, one token each
     (:class:`BatchInfo`); the rest the convolution's own arguments."""
-    rows, slot = x.shape[0], BatchInfo(*batch).token_slot.long()
-    delta = weight_deltas(LoraWeights(*lora), transposed).to(x.dtype)
-    per_row = delta.index_select(0, slot.clamp(min=0)) * (slot >= 0).to(x.dtype)[:, None, None, None]
+    rows = x.shape[0]
+    per_row = weight_deltas(LoraWeights(*lora), transposed, BatchInfo(*batch).token_slot).to(x.dtype)
     out = F.conv1d(
         x.reshape(1, -1, x.shape[-1]), per_row.flatten(0, 1), None, stride, padding, dilation, groups * rows
     )

@@ -22,10 +22,7 @@ def lora_weight_rows(weight: torch.Tensor, lora: list[torch.Tensor], batch: list
     """``weight (E, d1, d2)`` as the model read it; ``lora``: its factors
     (:class:`LoraWeights`); ``batch``: the metadata of the batch's rows, one token each
     (:class:`BatchInfo`); ``transposed``: the module's ``is_transposed``."""
-    slot = BatchInfo(*batch).token_slot.long()
-    delta = weight_deltas(LoraWeights(*lora), transposed).to(weight.dtype)
-    delta = delta.index_select(0, slot.clamp(min=0)) * (slot >= 0).to(weight.dtype)[:, None, None, None]
-    return weight + delta
+    return weight + weight_deltas(LoraWeights(*lora), transposed, BatchInfo(*batch).token_slot).to(weight.dtype)
 
 
 @lora_weight_rows.register_fake

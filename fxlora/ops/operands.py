@@ -30,13 +30,15 @@ def optional_weights(bundle: Sequence[torch.Tensor]) -> LoraWeights | None:
     return LoraWeights(*bundle) if bundle else None
 
 
-def weight_deltas(weights: LoraWeights, transposed: bool) -> torch.Tensor:
-    """Every slot's delta of a 3-D parameter ``(E, d1, d2)`` as PEFT's ``target_parameters``
-    adds it, ``(S, E, d1, d2)``: ``scaling[s] · B[s, e] @ A[s, e]`` over the slot's ``rank[s]``
-    (transposed where the module says ``is_transposed``). All ATen, no read on the host."""
-    lora_a, lora_b, scaling, rank = weights  # (S, E, R, in), (S, E, out, R)
-    kept = (torch.arange(lora_a.shape[2], device=rank.device)[None, :] < rank[:, None]).to(lora_a.dtype)
-    delta = lora_b @ (lora_a * kept[:, None, :, None])
+def weight_deltas(weights: LoraWeights, transposed: bool, row_slot: torch.Tensor) -> torch.Tensor:
+    """Each row's delta of a 3-D parameter ``(E, d1, d2)`` as PEFT's ``target_parameters`` adds
+    it, ``(rows, E, d1, d2)``: ``scaling[s] · B[s, e] @ A[s, e]`` over the slot's ``rank[s]``
+    (transposed where the module says ``is_transposed``) for the row's slot ``s``, zeros for a
+    row without one (``row_slot`` -1). All ATen, no read on the host."""
+    slot = row_slot.long().clamp(min=0)
+    lora_a, lora_b, scaling, rank = (t.index_select(0, slot) for t in weights)  # (rows, E, R, in), (rows, E, out, R)
+    kept = (torch.arange(lora_a.shape[2], device=rank.device)[None, :] < rank[:, None]) & (row_slot >= 0)[:, None]
+    delta = lora_b @ (lora_a * kept.to(lora_a.dtype)[:, None, :, None])
     delta = delta * scaling.to(delta.dtype)[:, None, None, None]
     return delta.transpose(-1, -2) if transposed else delta
 
