@@ -166,7 +166,6 @@ class Requests:
             raise type(e)(f"request {request_id!r}: {e}") from None
         return Sequence(request_id, prompt, adapter_name, decoding, streaming)
 
-
     def _resolve(self, max_new_tokens: int | None, settings: dict[str, Any]) -> GenerationSettings:
         """The request's settings, checked (remembered by their keywords where asked)."""
         key = None
