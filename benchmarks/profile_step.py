@@ -5,7 +5,7 @@ call making one token, or with ``--stream`` a ``generate_batch`` call: no CUDA g
 host's time is printed too, by operator and by Python function).
 
     python benchmarks/profile_step.py [--model llama|qwen3_moe] [--batch 128] [--inner inductor,eager]
-                                      [--prefill 128 [--stream]] [--quant none|fp8] [--out F.json]
+                                      [--prefill 128 [--stream]] [--quant none|fp8] [--trace T.json] [--out F.json]
 
 The model, adapters and step are ``decode.py``'s (bf16, random weights, 16 rank-16 adapters
 round-robin over the rows, context 512; with ``--quant fp8``, on ``generate.py``'s FP8 base),
@@ -39,14 +39,15 @@ from fxlora.testing.models import fill_zero_weights
 ADAPTERS, REPLAYS = 16, 20
 
 
-def kernels(step: Callable[[], object], host: bool = False) -> dict[str, list[float]]:
+def kernels(step: Callable[[], object], host: bool = False, trace: str | None = None) -> dict[str, list[float]]:
     """Per kernel name: [µs per step, launches per step] over ``REPLAYS`` calls of ``step``;
-    with ``host``, also print the host's operators that take the most time."""
+    with ``host``, also print the host's operators that take the most time; with ``trace``, write
+    the profile there as a Chrome trace, with the Python stacks of the host's operators."""
     for _ in range(5):
         step()
     torch.cuda.synchronize()
     activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if host else [])]
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=trace is not None) as prof:
         for _ in range(REPLAYS):
             step()
         torch.cuda.synchronize()
@@ -55,6 +56,8 @@ def kernels(step: Callable[[], object], host: bool = False) -> dict[str, list[fl
         if e.device_type == torch.autograd.DeviceType.CUDA:
             table[e.name][0] += e.time_range.elapsed_us() / REPLAYS
             table[e.name][1] += 1 / REPLAYS
+    if trace is not None:
+        prof.export_chrome_trace(trace)
     if host:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
         python_functions(step)
@@ -90,6 +93,7 @@ def main() -> None:
     parser.add_argument("--inner", default="inductor,eager")
     parser.add_argument("--prefill", type=int, help="profile a prefill of prompts this long instead")
     parser.add_argument("--stream", action="store_true", help="the prefill of the request stream (generate_batch)")
+    parser.add_argument("--trace", help="write each profile as a Chrome trace with Python stacks: F-<inner>-<variant>.json")
     parser.add_argument("--quant", choices=("none", "fp8"), default="none")
     parser.add_argument("--out", default="profile_step.json")
     args = parser.parse_args()
@@ -127,7 +131,8 @@ def main() -> None:
                     what = f"prefill of {args.batch} x {args.prefill} tokens"
                 else:
                     step, what = rt.graphs.graphs[(variant, args.batch)][0].replay, f"batch {args.batch}"
-                table, replay = kernels(step, host=bool(args.prefill)), us(step)
+                trace = f"{args.trace.removesuffix('.json')}-{inner}-{variant}.json" if args.trace else None
+                table, replay = kernels(step, host=bool(args.prefill), trace=trace), us(step)
                 results[f"{inner}/{variant}"] = {"replay_us": replay, "setup_s": setup, "kernels": table}
                 print_table(f"{inner} {variant}, {what} ({replay:.0f} us a call)", table)
         nolora, lora = results[f"{inner}/nolora"]["kernels"], results[f"{inner}/lora"]["kernels"]
