@@ -5,7 +5,8 @@ call making one token, or with ``--stream`` a ``generate_batch`` call: no CUDA g
 host's time is printed too, by operator and by Python function).
 
     python benchmarks/profile_step.py [--model llama|qwen3_moe] [--batch 128] [--inner inductor,eager]
-                                      [--prefill 128 [--stream]] [--quant none|fp8] [--trace T.json] [--out F.json]
+                                      [--prefill 128 [--stream] [--prefill-graph-tokens 0]]
+                                      [--quant none|fp8] [--trace T.json] [--out F.json]
 
 The model, adapters and step are ``decode.py``'s (bf16, random weights, 16 rank-16 adapters
 round-robin over the rows, context 512; with ``--quant fp8``, on ``generate.py``'s FP8 base),
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--inner", default="inductor,eager")
     parser.add_argument("--prefill", type=int, help="profile a prefill of prompts this long instead")
     parser.add_argument("--stream", action="store_true", help="the prefill of the request stream (generate_batch)")
+    parser.add_argument("--prefill-graph-tokens", type=int, help="fxlora.compile's prefill_graph_tokens (0: eager prefills)")
     parser.add_argument("--trace", help="write each profile as a Chrome trace with Python stacks: F-<inner>-<variant>.json")
     parser.add_argument("--quant", choices=("none", "fp8"), default="none")
     parser.add_argument("--out", default="profile_step.json")
@@ -111,6 +113,7 @@ def main() -> None:
         cm = fxlora.compile(
             model, adapters, max_loras=ADAPTERS, max_rank=RANK, max_batch_size=args.batch,
             max_len=MAX_LEN, batch_buckets=[args.batch], inner=inner,
+            **({} if args.prefill_graph_tokens is None else {"prefill_graph_tokens": args.prefill_graph_tokens}),
         )  # fmt: skip
         with torch.no_grad():
             rt = None if args.stream else cm.prepare()
