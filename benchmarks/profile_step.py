@@ -1,8 +1,9 @@
 """Where one decode step's time goes: the kernels of a replay of fxlora's ``nolora`` and ``lora``
 decode graphs (``torch.profiler``), per inner compiler, and what ``lora`` adds kernel by kernel.
 With ``--prefill N``, the same for a prefill of ``N``-token prompts instead (a ``generate``
-call making one token, or with ``--stream`` a ``generate_batch`` call: no CUDA graph, so the
-host's time is printed too, by operator and by Python function).
+call making one token, or with ``--stream`` a ``generate_batch`` call; a short prefill replays a
+CUDA graph, none with ``--prefill-graph-tokens 0``), with the host's time too, by operator and
+by Python function.
 
     python benchmarks/profile_step.py [--model llama|qwen3_moe] [--batch 128] [--inner inductor,eager]
                                       [--prefill 128 [--stream] [--prefill-graph-tokens 0]]
