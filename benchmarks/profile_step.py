@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--quant", choices=("none", "fp8"), default="none")
     parser.add_argument("--out", default="profile_step.json")
     args = parser.parse_args()
+    if (args.stream or args.prefill_graph_tokens is not None) and not args.prefill:
+        parser.error("--stream and --prefill-graph-tokens profile a prefill: give --prefill N")
     sp = spec(args.model)
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialised there: the CPU takes over a minute for the MoE's experts
