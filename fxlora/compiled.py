@@ -23,7 +23,7 @@ import torch
 from fxlora.adapters import AdapterPool, experts, model_modules, placement, read_adapter, sharding
 from fxlora.adapters.peft_format import AdapterSource
 from fxlora.adapters.quantization import check_quantized
-from fxlora.compiler import progress, quantized_experts
+from fxlora.compiler import experts_op, progress
 from fxlora.compiler.experts_probe import choose_layout
 from fxlora.compiler.inner import resolve as resolve_inner
 from fxlora.compiler.module_tree import ModuleTree
@@ -379,8 +379,9 @@ def compile(
     reserves pool space for adapters loaded later; by default the modules of the given
     adapters are the targets, or every linear layer but the output head when none are given.
     The model itself is not modified, but for three settings: MoE experts that run transformers'
-    eager loop (it reads routing on the host) are switched to its `grouped_mm` implementation;
-    each targeted module gets a forward pre-hook that notes, during a call of the compiled
+    eager loop (it reads routing on the host) are switched to its `grouped_mm` implementation,
+    and experts transformers built with no other implementation (LongCat-Flash's) compute by
+    ``fxlora::moe_lora`` (:mod:`fxlora.compiler.experts_op`); each targeted module gets a forward pre-hook that notes, during a call of the compiled
     model, a call of it that runs outside the compiled graphs (it does nothing otherwise); and
     the model's PEFT methods (``load_adapter``, ``delete_adapter``, ``set_adapter``, ...) act
     through the compiled model or refuse (:mod:`fxlora.runtime.peft_methods`), as PEFT's layers
@@ -423,6 +424,7 @@ def compile(
         output_embedding=next((n for n, m in model.named_modules() if m is output_head), None),
     )
     group = sharding.process_group(model)
+    experts.mark_loop_experts(model)  # flags only: found, read and probed as transformers' experts are
     for name, source in adapters.items():
         load(pool, model, name, source, group)
     with sharding.one_outcome(group):  # a tensor-parallel model: every rank fails, or none does
@@ -433,17 +435,19 @@ def compile(
     config = getattr(model, "config", None)
     if quantized and quantized.experts and not quantized.kept_experts:
         # grouped_mm cannot read quantised experts: fxlora::moe_lora runs their own GEMMs
-        quantized_experts.serve(model, quantized.method)
+        experts_op.serve_quantized(model, quantized.method)
         log.info("experts switched to fxlora::moe_lora on their quantised weights")
     elif (
         getattr(config, "_experts_implementation", None) in (None, "eager")
-        and any(experts.is_experts(m) for m in model.modules())
+        and any(experts.is_experts(m) and not experts.is_loop_experts(m) for m in model.modules())
         and not (quantized and quantized.kept_experts)
     ):
         # the eager experts loop reads routing on the host and breaks the graph; this one traces.
         # Switched after every check, so that a compile that fails leaves the model as it was.
         model.set_experts_implementation("grouped_mm")
         log.info("experts switched to the traceable grouped_mm implementation")
+    if served := experts_op.serve_loops(model):  # experts with no implementation to switch: the op is their forward
+        log.info("experts that loop over the routing compute by fxlora::moe_lora: %s", ", ".join(served))
     backend = Backend(pool, modules=ModuleTree(model), inner=inner)
     # a call of a target outside the compiled graphs is seen, so one the model makes nowhere needs no LoRA
     watch_calls(model, {fqn: t.module for fqn, t in pool.targets.items()})

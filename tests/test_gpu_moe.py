@@ -175,7 +175,7 @@ def test_quantised_experts_in_bf16_with_cuda_graphs(kind):
     and a batched greedy generate, its decode steps replayed from CUDA graphs, teacher-forced
     against the same oracle."""
     pytest.importorskip("torchao")
-    from fxlora.compiler import quantized_experts
+    from fxlora.compiler import experts_op
     from fxlora.testing import assert_greedy_agrees, assert_matches_decomposition, decomposed_logits, quantized_model
 
     torch._dynamo.reset()
@@ -189,7 +189,7 @@ def test_quantised_experts_in_bf16_with_cuda_graphs(kind):
         for i, (n, r) in enumerate([("a", 8), ("b", 4)])
     }  # fmt: skip
     cm = fxlora.compile(model, adapters, max_loras=4, max_rank=16, max_batch_size=4, max_len=32)
-    assert model.config._experts_implementation == quantized_experts.NAME
+    assert model.config._experts_implementation == experts_op.NAME
     names = ["a", None, "b", "a"]
     ids = torch.randint(3, 200, (4, 7), generator=torch.Generator().manual_seed(2)).cuda()
     for rows in (names, [None] * len(names)):  # the lora variant, then nolora

@@ -37,24 +37,27 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
 PARAMS = {"alpha": 1.702, "limit": 7.0, "gate_cap": 1.702, "up_cap": 7.0}
 
 
-def layout(gate: str, transposed: bool) -> str:
+def layout(gate: str, transposed: bool, identity: int = 0) -> str:
     """The op's layout operand for ``gate``, with GPT-OSS's parameters where it takes some."""
-    return ExpertsLayout(transposed, gate, "silu", tuple(PARAMS[p] for p in GATE_PARAMS[gate])).spec
+    return ExpertsLayout(transposed, gate, "silu", tuple(PARAMS[p] for p in GATE_PARAMS[gate]), identity > 0).spec
 
 
-def make_case(gen, tokens, top_k, experts, hidden, inter, slots, max_rank, ranks, gate, transposed, bias, dtype):
+def make_case(gen, tokens, top_k, experts, hidden, inter, slots, max_rank, ranks, gate, transposed, bias, dtype, identity=0):
+    """A routed batch; with ``identity`` experts (LongCat-Flash's) past the ``experts`` the down
+    projection has, which the up projection holds parameters (unused) and LoRA for too."""
     up_out = inter if gate == "act" else 2 * inter
 
     def w(*shape, fan):
         return (torch.randn(*shape, generator=gen) / fan**0.5).to(dtype)
 
-    up = w(experts, hidden, up_out, fan=hidden) if transposed else w(experts, up_out, hidden, fan=hidden)
+    routed = experts + identity
+    up = w(routed, hidden, up_out, fan=hidden) if transposed else w(routed, up_out, hidden, fan=hidden)
     down = w(experts, inter, hidden, fan=inter) if transposed else w(experts, hidden, inter, fan=inter)
-    biases = (w(experts, up_out, fan=4), w(experts, hidden, fan=4)) if bias else (None, None)
+    biases = (w(routed, up_out, fan=4), w(experts, hidden, fan=4)) if bias else (None, None)
 
-    def pool(fin, fout, which):
-        a = w(slots, experts, max_rank, fin, fan=fin)
-        b = w(slots, experts, fout, max_rank, fan=max_rank)
+    def pool(fin, fout, which, count):
+        a = w(slots, count, max_rank, fin, fan=fin)
+        b = w(slots, count, fout, max_rank, fan=max_rank)
         rank = torch.tensor(ranks[which], dtype=torch.int32)
         for s in range(slots):
             a[s, :, rank[s] :] = 0
@@ -62,19 +65,20 @@ def make_case(gen, tokens, top_k, experts, hidden, inter, slots, max_rank, ranks
         return a, b, torch.rand(slots, generator=gen) + 0.5, rank
 
     hidden_states = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    scores = torch.rand(tokens, experts, generator=gen)
+    scores = torch.rand(tokens, routed, generator=gen)
     weights, index = scores.topk(top_k, dim=-1)
-    return hidden_states, index, (weights / weights.sum(-1, keepdim=True)).to(dtype), up, biases[0], down, biases[1], pool(hidden, up_out, 0), pool(inter, hidden, 1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+    return hidden_states, index, weights, up, biases[0], down, biases[1], pool(hidden, up_out, 0, routed), pool(inter, hidden, 1, experts)
 
 
-def run(fn, case, slot_ids, slots, gate, transposed, lora_on):
+def run(fn, case, slot_ids, slots, gate, transposed, lora_on, identity=0):
     x, index, weights, up, up_b, down, down_b, up_lora, down_lora = case
     device_case = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (x, index, weights, up, up_b, down, down_b)]
     lora = [[t.to(DEVICE) for t in factors] if on else [] for on, factors in zip(lora_on, (up_lora, down_lora))]
     token_slot = batch_info(slot_ids.to(DEVICE), device_case[0], 1, slots)[0]
     module = sys.modules[moe_lora_composed.__module__]  # the shrink's scratch as a graph may hand it over
     with mock.patch.object(module, "lora_workspace", nan_workspace):
-        return fn(*device_case, *lora, token_slot, layout(gate, transposed))
+        return fn(*device_case, *lora, token_slot, layout(gate, transposed, identity))
 
 
 @settings(deadline=None)
@@ -90,10 +94,11 @@ def run(fn, case, slot_ids, slots, gate, transposed, lora_on):
     bias=st.booleans(),
     lora_on=st.sampled_from([(True, True), (True, False), (False, True)]),
     dtype=st.sampled_from(DTYPES),
+    identity=st.sampled_from([0, 0, 1, 2]),
     data=st.data(),
 )
-def test_composition_matches_reference(tokens, experts, hidden, inter, slots, max_rank, gate, transposed, bias, lora_on, dtype, data):
-    top_k = data.draw(st.integers(1, experts), label="top_k")
+def test_composition_matches_reference(tokens, experts, hidden, inter, slots, max_rank, gate, transposed, bias, lora_on, dtype, identity, data):
+    top_k = data.draw(st.integers(1, experts + identity), label="top_k")
     ranks = [data.draw(st.lists(st.integers(0, max_rank), min_size=slots, max_size=slots), label="ranks") for _ in range(2)]
     mix = data.draw(st.sampled_from(["mixed", "none", "one"]), label="mix")
     if mix == "mixed":
@@ -102,13 +107,13 @@ def test_composition_matches_reference(tokens, experts, hidden, inter, slots, ma
         rows = [-1 if mix == "none" else slots - 1] * tokens
     slot_ids = torch.tensor(rows, dtype=torch.int32)
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
-    case = make_case(gen, tokens, top_k, experts, hidden, inter, slots, max_rank, ranks, gate, transposed, bias, dtype)
-    got = run(moe_lora_composed, case, slot_ids, slots, gate, transposed, lora_on)
-    want = _reference(case, slot_ids, slots, gate, transposed, lora_on)
+    case = make_case(gen, tokens, top_k, experts, hidden, inter, slots, max_rank, ranks, gate, transposed, bias, dtype, identity)
+    got = run(moe_lora_composed, case, slot_ids, slots, gate, transposed, lora_on, identity)
+    want = _reference(case, slot_ids, slots, gate, transposed, lora_on, identity)
     assert_close(got, want, dtype)
 
 
-def _reference(case, slot_ids, slots, gate, transposed, lora_on):
+def _reference(case, slot_ids, slots, gate, transposed, lora_on, identity=0):
     """The op's CPU implementation, in float32."""
     x, index, weights, up, up_b, down, down_b, up_lora, down_lora = case
     f32 = [t.float() if isinstance(t, torch.Tensor) and t.dtype.is_floating_point else t for t in (x, index, weights, up, up_b, down, down_b)]
@@ -117,7 +122,7 @@ def _reference(case, slot_ids, slots, gate, transposed, lora_on):
         for on, factors in zip(lora_on, (up_lora, down_lora))
     ]
     token_slot = batch_info(slot_ids, f32[0], 1, slots)[0]
-    return moe_lora(*f32, *lora, token_slot, layout(gate, transposed))
+    return moe_lora(*f32, *lora, token_slot, layout(gate, transposed, identity))
 
 
 @pytest.mark.parametrize("mix", ["none", "mixed", "one"])

@@ -10,6 +10,7 @@ import importlib
 
 import pytest
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig
@@ -21,6 +22,7 @@ from fxlora.errors import AdapterError, LoraNotRunError, NotServed
 from fxlora.testing import (
     MOE_FAMILIES,
     assert_matches_peft,
+    check_rows,
     make_adapter,
     merged_logits,
     peft_model_with,
@@ -405,3 +407,60 @@ def test_per_expert_format_against_a_hand_merge(family, names):
         want = _merge_per_expert_by_hand(model, adapter, names)(input_ids=ids).logits
     assert row_errors(out[:1], want[:1])[0] < 10 * RTOL[torch.float32]
     assert row_errors(out[:1], model(input_ids=ids[:1]).logits)[0] > 1e-3
+
+
+def _longcat_flash():
+    """LongCat-Flash, whose experts loop over the routing (transformers gives them no other
+    implementation), with two identity ("zero-computation") experts beside four routed ones."""
+    if "longcat_flash" not in transformers.CONFIG_MAPPING:
+        pytest.skip("this transformers has no LongCat-Flash")
+    config = transformers.LongcatFlashConfig(
+        hidden_size=32, head_dim=4, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=24,
+        num_attention_heads=2, num_key_value_heads=2, ffn_hidden_size=48, expert_ffn_hidden_size=12, moe_topk=2,
+        n_routed_experts=4, zero_expert_num=2, num_layers=2, vocab_size=99, routed_scaling_factor=1.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LongcatFlashForCausalLM(config).float().eval()
+    fill_zero_weights(model, 0.5)
+    return model
+
+
+def test_longcat_flashs_loop_experts_with_identity_experts_match_peft():
+    """Experts with no transformers implementation compute by fxlora::moe_lora, proven against
+    their own loop; a route to an identity expert adds its weighted input, with no LoRA."""
+    torch._dynamo.reset()
+    model = _longcat_flash()
+    adapters = {
+        "a": make_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_b_proj"], target_parameters=EXPERTS), seed=1, directory=""),
+        "b": make_adapter(model, LoraConfig(r=2, use_rslora=True, target_parameters=EXPERTS[1:]), seed=2, directory=""),
+    }  # fmt: skip
+    ids = torch.randint(3, 99, (4, 7), generator=torch.Generator().manual_seed(3))
+    names = ["a", None, "b", "a"]
+    with torch.no_grad():  # PEFT over the experts' own loop, before fxlora gives them the op
+        assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 6  # up holds the identity experts' rows too
+        want = {n: (model if n is None else peft_model_with(model, {n: adapters[n]}))(input_ids=ids).logits for n in set(names)}
+    cm = fxlora.compile(model, adapters, max_loras=3, max_rank=8)
+    with torch.no_grad():
+        out = cm(input_ids=ids, adapter_names=names).logits
+    for name in set(names):
+        rows = [i for i, n in enumerate(names) if n == name]
+        check_rows(out[rows], want[name][rows], [name] * len(rows))
+    assert "Not served:\n  nothing" in cm.explain()
+    assert "2 x moe_lora" in cm.explain()
+
+
+class Sine(torch.nn.Module):
+    def forward(self, x):
+        return x.sin()
+
+
+def test_loop_experts_the_op_cannot_compute_are_refused_by_name():
+    torch._dynamo.reset()
+    model = _longcat_flash()
+    experts_module = model.model.layers[0].mlp.experts
+    experts_module.act_fn = Sine()  # no activation the op knows
+    adapter = make_adapter(model, LoraConfig(r=2, target_parameters=EXPERTS), seed=1, directory="")
+    with pytest.raises(AdapterError, match=r"experts module 'model.layers.0.mlp.experts' is targeted .*its gate "
+                       r"\(LongcatFlashExperts.forward, act_fn Sine\) is not one fxlora::moe_lora knows"):
+        fxlora.compile(model, {"a": adapter}, max_loras=2, max_rank=4)
+    assert "forward" not in vars(experts_module)  # a refused compile leaves the experts' loop

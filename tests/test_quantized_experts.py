@@ -12,7 +12,7 @@ from peft import LoraConfig
 from test_delta_on_top import inputs
 
 import fxlora
-from fxlora.compiler import quantized_experts
+from fxlora.compiler import experts_op
 from fxlora.testing import assert_matches_decomposition, decomposed_logits, make_adapter, quantized_model, tiny_model
 from fxlora.testing.oracle import row_errors
 
@@ -54,7 +54,7 @@ def test_quantised_experts_carry_lora(moe, kind):
     assert type(model.model.layers[0].mlp.experts.gate_up_proj).__module__.startswith("torchao")
     adapters = experts_adapters(moe)
     cm = fxlora.compile(model, adapters=adapters, max_loras=2, max_rank=8)
-    assert model.config._experts_implementation == quantized_experts.NAME
+    assert model.config._experts_implementation == experts_op.NAME
     batch = inputs()
     out = assert_matches_decomposition(cm, twin, adapters, NAMES, **batch)
     # the oracle's experts deltas are there: without them the adapter rows are far off
@@ -99,10 +99,10 @@ def test_the_op_on_quantised_experts_traces_its_computation(moe):
 
     torch._dynamo.reset()
     model, _ = quantized_pair(moe, "int8")
-    quantized_experts.serve(model, "torchao")
+    experts_op.serve_quantized(model, "torchao")
     module = model.model.layers[0].mlp.experts
     up, down = experts.experts_parameters(module).values()
-    layout = getattr(module, quantized_experts.LAYOUT)
+    layout = getattr(module, experts_op.LAYOUT)
     generator = torch.Generator().manual_seed(3)
     hidden = torch.randn(6, moe.config.hidden_size, generator=generator)
     index = torch.randint(0, up.shape[0], (6, 2), generator=generator)

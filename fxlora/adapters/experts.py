@@ -5,7 +5,10 @@ An experts module is one ``transformers`` built with ``use_experts_implementatio
 instances carry ``has_gate``, ``has_bias``, ``is_transposed`` and ``is_concatenated``, and
 hold ``gate_up_proj`` (or ``up_proj`` without a gate) and ``down_proj`` as ``(E, out, in)``
 parameters, ``(E, in, out)`` when transposed. Each of the two is a pool target of its own,
-named ``<experts>.<parameter>``.
+named ``<experts>.<parameter>``. Experts that ``transformers`` built without an experts
+implementation, whose forward loops over the experts the routing hits (LongCat-Flash's), are
+found by what they hold and take (:func:`is_loop_experts`) and given the same flags
+(:func:`mark_loop_experts`), read from their parameters' shapes.
 
 Adapter formats, all turned into ``LoraFactors("experts", a (E_a, r, in), b (E_b, out, r))``
 (:mod:`fxlora.adapters.placement` finds which format and which parameter):
@@ -23,6 +26,7 @@ Adapter formats, all turned into ``LoraFactors("experts", a (E_a, r, in), b (E_b
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import torch
@@ -38,6 +42,53 @@ def is_experts(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated")) and (
         isinstance(getattr(module, "down_proj", None), torch.nn.Parameter)
     )
+
+
+LOOP_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def is_loop_experts(module: torch.nn.Module) -> bool:
+    """Experts ``transformers`` built without ``use_experts_implementation`` (whose wrapper
+    keeps the class's own forward as ``__wrapped__``): a forward over :data:`LOOP_INPUTS` and
+    fused ``gate_up_proj (E', 2·I, H)`` and ``down_proj (E, H, I)`` parameters (or both
+    transposed). ``E' > E`` where routes past ``E`` go to parameter-free experts (LongCat-Flash's
+    identity experts); the probe proves what the forward computes before anything is served."""
+    forward = getattr(type(module), "forward", None)
+    if forward is None or hasattr(forward, "__wrapped__"):
+        return False
+    try:
+        inputs = tuple(inspect.signature(forward).parameters)[1:4]
+    except (TypeError, ValueError):
+        return False
+    return inputs == LOOP_INPUTS and _loop_transposed(module) is not None
+
+
+def _loop_transposed(module: torch.nn.Module) -> bool | None:
+    """Whether a loop experts module's parameters are stored ``(E, in, out)``, read from the two
+    shapes, or None when they are not a fused up projection and a down projection."""
+    up, down = (getattr(module, n, None) for n in ("gate_up_proj", "down_proj"))
+    if not all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in (up, down)):
+        return None
+    if up.shape[1] == 2 * down.shape[2] and up.shape[2] == down.shape[1]:
+        return False
+    if up.shape[2] == 2 * down.shape[1] and up.shape[1] == down.shape[2]:
+        return True
+    return None
+
+
+def mark_loop_experts(model: torch.nn.Module) -> list[str]:
+    """Give each loop experts module of ``model`` (:func:`is_loop_experts`) the flags
+    ``use_experts_implementation`` gives transformers' experts: a gate over concatenated halves
+    (the probe rejects any other), the layout read from the shapes, no bias. Returns their
+    names. The flags change nothing the module computes."""
+    marked = []
+    for name, module in model.named_modules():
+        if not is_experts(module) and is_loop_experts(module):
+            module.has_gate, module.is_concatenated, module.has_post_expert_norm = True, True, False
+            module.has_bias = all(isinstance(getattr(module, n, None), torch.nn.Parameter) for n in ("gate_up_proj_bias", "down_proj_bias"))
+            module.is_transposed = _loop_transposed(module)
+            marked.append(name)
+    return marked
 
 
 def up_name(module: torch.nn.Module) -> str:
@@ -63,7 +114,9 @@ def gate_name(module: torch.nn.Module) -> str:
     cls = type(module).__name__
     act = getattr(module, "act_fn", None)
     act = f", act_fn {getattr(act, '__name__', type(act).__name__)}" if act is not None else ""
-    return f"{cls}._apply_gate{act}" if module.has_gate else f"{cls}.act_fn{act}"
+    if not module.has_gate:
+        return f"{cls}.act_fn{act}"
+    return f"{cls}.forward{act}" if is_loop_experts(module) else f"{cls}._apply_gate{act}"
 
 
 def in_out(module: torch.nn.Module, weight: torch.Tensor) -> tuple[int, int]:

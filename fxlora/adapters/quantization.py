@@ -17,7 +17,7 @@ module. Checkpoints loaded with ``CompressedTensorsConfig(dequantize=True)`` or
 without an FP8 GPU) are plain models and served. torchao's float8 configs are the served FP8
 path. Experts whose parameters are torchao subclasses (``FqnToConfig`` on
 ``experts.gate_up_proj`` / ``experts.down_proj``) run ``fxlora::moe_lora``, whose GEMMs are the
-subclass's own (:mod:`fxlora.compiler.quantized_experts`), and carry LoRA as unquantised
+subclass's own (:mod:`fxlora.compiler.experts_op`), and carry LoRA as unquantised
 experts do; experts quantised otherwise keep the model's implementation and carry none.
 """
 

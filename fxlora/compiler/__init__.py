@@ -8,6 +8,6 @@ the batch's rows (:mod:`.rows`), a LoRA op's operands as graph nodes (:mod:`.ope
 the proof an experts region needs (:mod:`.experts_probe`). Around them: the arena that
 hoisted allocations live in (:mod:`.arena`), the inner compiler that runs each variant
 (:mod:`.inner`, :mod:`.regions`), the quantised experts' implementation
-(:mod:`.quantized_experts`) and the progress bar (:mod:`.progress`). Nothing here imports a
+(:mod:`.experts_op`) and the progress bar (:mod:`.progress`). Nothing here imports a
 pass.
 """

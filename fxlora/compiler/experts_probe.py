@@ -14,10 +14,15 @@ otherwise). Two checks, on fixed random inputs (seeded, a few dozen values each)
   experts sharded between tensor-parallel ranks the op runs on the local shards and the
   ranks' outputs are summed, as the module's own all-reduce sums them.
 
-Either raises :class:`NotServed` saying what differs, and the region stays as traced.
+Either raises :class:`NotServed` saying what differs, and the region stays as traced. Loop
+experts (:func:`fxlora.adapters.experts.is_loop_experts`) have no gate of their own to check:
+:func:`choose_layout` takes the first candidate :func:`prove_region` accepts. A module that
+fxlora gave the op as its forward keeps the layout proven then (:data:`LAYOUT`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -31,10 +36,17 @@ from fxlora.ops.moe_lora import ExpertsLayout, apply_gate, local_routing
 # activation or gate is off by percents, and the float64 gate check catches finer ones.
 PROBE_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
+LAYOUT = "_fxlora_experts_layout"  # the attribute holding the layout of experts the op computes (its spec)
+
 
 def choose_layout(module: torch.nn.Module) -> ExpertsLayout:
-    """The layout whose gate computes what the module's gate computes, in float64."""
+    """The layout whose gate computes what the module's gate computes, in float64; for loop
+    experts, the first whose op computes what the module's forward computes."""
+    if hasattr(module, LAYOUT):
+        return ExpertsLayout.parse(getattr(module, LAYOUT))
     candidates = layouts(module)
+    if module.has_gate and experts.is_loop_experts(module):
+        return _first_proven(module, candidates)
     device = next(iter(experts.experts_parameters(module).values())).device
     h = _gate_probe(max((p for c in candidates for p in c.params), default=0.0)).to(device)
     try:
@@ -51,6 +63,29 @@ def choose_layout(module: torch.nn.Module) -> ExpertsLayout:
         f"its gate ({experts.gate_name(module)}) computes none of the gates fxlora::moe_lora knows "
         f"(tried {', '.join(tried)} with the module's activation and clamp parameters)"
     )
+
+
+def _first_proven(module: torch.nn.Module, candidates: list[ExpertsLayout]) -> ExpertsLayout:
+    why = None
+    for layout in candidates:
+        try:
+            prove_region(module, layout, probe_like(module), [], [])
+        except NotServed as e:
+            why = why or e
+        else:
+            return layout
+    raise why
+
+
+def probe_like(module: torch.nn.Module, model: torch.nn.Module | None = None) -> tuple[torch.Tensor, ...]:
+    """Values shaped and typed as an experts module's inputs (hidden states, top-k index and
+    weights), for :func:`prove_region` to draw its probe from: the model's dtype where the
+    weights are quantised, and its config's ``num_experts_per_tok`` (else 2) routes a token."""
+    up = experts.experts_parameters(module)[experts.up_name(module)]
+    dtype = up.dtype if up.dtype.is_floating_point or model is None else model.dtype
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None) or 2
+    fin = experts.in_out(module, up)[0]
+    return torch.empty(1, fin, dtype=dtype), torch.empty(1, top_k, dtype=torch.long), torch.empty(1, top_k, dtype=dtype)
 
 
 def layouts(module: torch.nn.Module) -> list[ExpertsLayout]:
@@ -86,6 +121,9 @@ def layouts(module: torch.nn.Module) -> list[ExpertsLayout]:
         candidates.append(ExpertsLayout(transposed, "glu_interleaved_clamped", "", (alpha, limit)))
     if not candidates:
         raise NotServed(f"its gate ({experts.gate_name(module)}) is not one fxlora::moe_lora knows")
+    params = list(experts.experts_parameters(module).values())
+    if params[0].shape[0] > params[1].shape[0]:  # more up experts than down: routes past down's go to identity experts
+        candidates = [dataclasses.replace(c, identity=True) for c in candidates]
     return candidates
 
 

@@ -30,6 +30,9 @@ activation, and the gate's own parameters (:data:`GATE_PARAMS`):
   (Inkling2);
 - ``"act"``: experts without a gate: ``act(h)``.
 
+With ``identity`` experts (LongCat-Flash's "zero-computation" experts) a route to an expert
+numbered past the down projection's ``E`` adds ``w · x[t]``: it has no parameters and no LoRA.
+
 ``act`` is a ``transformers`` activation name (``ACT2FN``). The reference reads routing on
 the host; it is the implementation on CPU and the oracle of the CUDA one.
 
@@ -47,6 +50,7 @@ LoRA kernels stay calls.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -75,13 +79,15 @@ GATES = tuple(GATE_PARAMS)
 class ExpertsLayout:
     """How the op computes an experts module: weights stored ``(E, in, out)`` when
     ``transposed``, the ``gate``, its activation ``act`` (a ``transformers`` name, ``""`` for a
-    gate with its own) and the gate's ``params`` (:data:`GATE_PARAMS` names them). The op takes
-    it as one string operand, :attr:`spec`."""
+    gate with its own), the gate's ``params`` (:data:`GATE_PARAMS` names them), and whether
+    routes past the down projection's experts go to ``identity`` experts. The op takes it as
+    one string operand, :attr:`spec`."""
 
     transposed: bool
     gate: str
     act: str = ""
     params: tuple[float, ...] = ()
+    identity: bool = False
 
     def __post_init__(self) -> None:
         if self.gate not in GATE_PARAMS:
@@ -94,19 +100,21 @@ class ExpertsLayout:
 
     @property
     def spec(self) -> str:
-        """The layout as the op's operand: ``transposed;gate;act;param,param``."""
-        return ";".join([str(int(self.transposed)), self.gate, self.act, ",".join(map(repr, self.params))])
+        """The layout as the op's operand: ``transposed;gate;act;param,param;identity``."""
+        fields = [str(int(self.transposed)), self.gate, self.act, ",".join(map(repr, self.params)), str(int(self.identity))]
+        return ";".join(fields)
 
     @staticmethod
     def parse(spec: str) -> ExpertsLayout:
         """The layout of an operand :attr:`spec` made (plain string operations, which Dynamo
         folds when it traces the composition)."""
-        transposed, gate, act, params = spec.split(";")
-        return ExpertsLayout(transposed == "1", gate, act, tuple(float(p) for p in params.split(",") if p))
+        transposed, gate, act, params, identity = spec.split(";")
+        return ExpertsLayout(transposed == "1", gate, act, tuple(float(p) for p in params.split(",") if p), identity == "1")
 
     def __str__(self) -> str:
         named = [f"act={self.act!r}"] if self.act else []
         named += [f"{k}={v:g}" for k, v in zip(GATE_PARAMS[self.gate], self.params)]
+        named += ["identity experts"] if self.identity else []
         return ", ".join([f"transposed={self.transposed}", f"gate={self.gate!r}", *named])
 
 
@@ -178,6 +186,9 @@ def moe_lora_reference(
         j, token = (top_k_index == e).T.nonzero(as_tuple=True)  # by position, then token, as the eager loops order rows
         slots = token_slot[token]
         x = hidden[token]
+        if form.identity and e >= down_weight.shape[0]:
+            weighted[token, j] = x * top_k_weights[token, j, None].to(x.dtype)
+            continue
         h = _expert_linear(x, up_weight[e], None if up_bias is None else up_bias[e], transposed)
         _add_lora(h, x, up, e, slots)
         g = apply_gate(h, form)
@@ -207,6 +218,13 @@ def moe_lora_composed(
     implementation, and what Inductor compiles in its place."""
     up, down = optional_weights(up_lora), optional_weights(down_lora)
     form = ExpertsLayout.parse(layout)
+    if form.identity:  # identity routes add w · x; the experts see them as expert 0 with weight 0
+        routed = top_k_index < down_weight.shape[0]
+        identity = torch.where(routed, 0.0, top_k_weights).sum(-1, keepdim=True) * hidden
+        top_k_index, top_k_weights = torch.where(routed, top_k_index, 0), torch.where(routed, top_k_weights, 0.0)
+        kept = dataclasses.replace(form, identity=False).spec
+        out = moe_lora_composed(hidden, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, up_lora, down_lora, token_slot, kept)
+        return out + identity.to(out.dtype)
     transposed = form.transposed
     tokens, top_k = top_k_index.shape
     experts = up_weight.shape[0]
@@ -220,17 +238,12 @@ def moe_lora_composed(
     counts = torch.zeros(experts, dtype=torch.int32, device=hidden.device)
     counts = counts.scatter_add(0, expert_ids.long(), torch.ones_like(expert_ids, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    pairs = None
-    if up or down:  # each pair's adapter in the pool read as slots · E adapters: slot * E + expert, or -1 without one
-        pair_slot = token_slot.index_select(0, pair_token)
-        pool_id = torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, -1).to(torch.int32)
-        pairs = torch.ops.fxlora.batch_info(pool_id, x, 1, (up or down).lora_a.shape[0] * experts)
-
+    pair_slot = token_slot.index_select(0, pair_token) if up or down else None
     h = _grouped_linear(x, up_weight, offsets, up_bias, pair_expert, transposed)
-    _add_lora_pairs(h, x, up, pairs, experts)
+    pairs = _add_lora_pairs(h, x, up, pair_slot, pair_expert)
     g = apply_gate(h, form)
-    o = _grouped_linear(g, down_weight, offsets, down_bias, pair_expert, transposed)
-    _add_lora_pairs(o, g, down, pairs, experts)
+    o = _grouped_linear(g, down_weight, offsets[: down_weight.shape[0]], down_bias, pair_expert, transposed)
+    _add_lora_pairs(o, g, down, pair_slot, pair_expert, pairs)
     o = o * top_k_weights.reshape(-1)[order, None].to(o.dtype)
     weighted = torch.empty_like(o).index_copy(0, order, o)  # back to (token, k) order
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
@@ -265,22 +278,26 @@ def _grouped_mm(x, weight, offsets, transposed: bool):
     return traceable_grouped_mm(x, w, offsets)[:, :fout]
 
 
-def _add_lora_pairs(
-    y: torch.Tensor, x: torch.Tensor, lora: LoraWeights | None, pairs: tuple[torch.Tensor, ...], experts: int
-) -> None:
+def _add_lora_pairs(y, x, lora: LoraWeights | None, pair_slot, pair_expert, pairs=None):
     """``y += scaling · (x @ A[s, e]ᵀ) @ B[s, e]ᵀ`` per pair, the pool read as ``slots · E``
-    adapters (``pairs``: ``fxlora::batch_info`` of the pairs' pool ids)."""
+    adapters: pair ``(s, e)`` is adapter ``s · E + e``, or none without a slot. Returns the
+    pairs' ``fxlora::batch_info`` over the pool ids, ``(pool size, batch_info)``, which the
+    other projection reuses when its pool has as many adapters (``pairs``)."""
     if lora is None:
-        return
+        return pairs
     lora_a, lora_b, scaling, rank = lora
-    slots, _, max_rank, fin = lora_a.shape
+    slots, experts, max_rank, fin = lora_a.shape
+    if pairs is None or pairs[0] != slots * experts:
+        pool_id = torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, -1).to(torch.int32)
+        pairs = (slots * experts, torch.ops.fxlora.batch_info(pool_id, x, 1, slots * experts))
     per_pair = [
         lora_a.view(slots * experts, max_rank, fin),
         lora_b.view(slots * experts, lora_b.shape[2], max_rank),
         scaling.repeat_interleave(experts),
         rank.repeat_interleave(experts),
     ]
-    torch.ops.fxlora.lora_delta(x, [y], per_pair, list(pairs), lora_workspace(x, per_pair[0]))
+    torch.ops.fxlora.lora_delta(x, [y], per_pair, list(pairs[1]), lora_workspace(x, per_pair[0]))
+    return pairs
 
 
 if sgmv is not None:
