@@ -38,7 +38,7 @@ from fxlora.runtime.pending import Pending
 log = logging.getLogger(__name__)
 
 VARIANTS = ("nolora", "lora")
-PREFILL_GRAPH_TOKENS = 4096  # by default, the most tokens (batch bucket x length bucket) a prefill replays from a graph
+PREFILL_GRAPH_TOKENS = 8192  # by default, the most tokens (batch bucket x length bucket) a prefill replays from a graph
 PREFILL_MIN_LENGTH = 16  # the shortest length bucket
 
 

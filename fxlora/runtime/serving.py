@@ -27,6 +27,7 @@ from fxlora.errors import AdapterError, GenerationConfigError
 from fxlora.runtime.backend import Backend
 from fxlora.runtime.block_allocator import blocks_for
 from fxlora.runtime.engine import Engine, Event
+from fxlora.runtime.generation import PREFILL_GRAPH_TOKENS
 from fxlora.runtime.generation_config import GenerationSettings, resolve
 from fxlora.runtime.kv_cache import probe_shapes
 from fxlora.runtime.paged_cache import PagedKVCache
@@ -49,7 +50,7 @@ class StreamOptions:
     window: int = 8  # decode steps between the host's reads of the tokens
     buckets: tuple[int, ...] | None = None
     cuda_graphs: bool | None = None
-    prefill_graph_tokens: int = 4096
+    prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_len", "block_size", "max_prefill_tokens", "window"):
