@@ -12,7 +12,10 @@ request waits longer than the running ones take to free what it needs. The sched
 adapters: a request whose adapter is not in a GPU slot gets one (a free slot, else the least
 recently used one no running request reads; the copy overlaps the running decode), and when
 every slot is read by running requests, the requests behind it whose adapters are in slots may
-go first, for a bounded number of turns.
+go first, for a bounded number of turns. Meanwhile one slot drains for it: the one whose
+running readers end soonest (by the new tokens they may still make) admits no new reader, so
+that it comes free for the waiting request, not only once every slot's readers happen to end
+together.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class Scheduler:
 
     def _admit(self, copy_stream: object, admitted: list[Sequence], failed: list[Sequence], passed: list[Sequence]) -> None:
         tokens = 0
+        draining = None  # the adapter whose slot admits no new reader, for a request waiting for a slot
         while self.waiting and len(self.running) + len(admitted) < self.max_rows:
             seq = self.waiting[0]
             need = blocks_for(seq.max_length, self.allocator.block_size)
@@ -70,8 +74,11 @@ class Scheduler:
                 break
             self.waiting.popleft()
             try:
+                if draining is not None and seq.adapter_name == draining:
+                    raise NoFreeSlot(f"adapter {draining!r}: its slot drains for a request waiting for one")
                 (seq.slot,), _ = self.pool.acquire([seq.adapter_name], stream=copy_stream, timeout=0)
             except NoFreeSlot:  # every slot is read by running requests
+                draining = draining or self._soonest_free(admitted)
                 if seq.passes >= ADAPTER_PASSES:
                     self.waiting.appendleft(seq)
                     break  # its wait is over: the requests behind it wait for it
@@ -87,6 +94,16 @@ class Scheduler:
             seq.reserved, seq.status = need, Status.RUNNING
             tokens += len(seq.prompt_ids)
             admitted.append(seq)
+
+    def _soonest_free(self, admitted: list[Sequence]) -> str | None:
+        """The adapter whose running readers may end soonest: the fewest new tokens the
+        longest of them may still make (a reader admitted this turn, its whole budget)."""
+        left: dict[str, int] = {}
+        for seq in (*self.running, *admitted):
+            if seq.slot not in (None, NO_ADAPTER):
+                budget = seq.decoding.max_new_tokens - len(seq.generated) - seq.unread
+                left[seq.adapter_name] = max(left.get(seq.adapter_name, 0), budget)
+        return min(left, key=left.__getitem__) if left else None
 
     def cancel_waiting(self, request_ids: set[str]) -> list[Sequence]:
         """End the waiting requests of ``request_ids`` now."""
