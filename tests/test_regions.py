@@ -121,3 +121,48 @@ def test_each_slot_is_freed_after_its_last_read():
     regions._plan_frees(steps, (regions._Slot(4), regions._Slot(1)))
     # slot 1 is returned; slot 0 last read by the second step; 2 and 3 by the step after their own
     assert [sorted(s.frees) for s in steps] == [[], [0, 2], [3]]
+
+
+class _PagedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, h, pages):
+        return torch.relu(self.proj(h) + pages.sum(0))
+
+
+class _PagedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_PagedLayer() for _ in range(4)])
+
+    def forward(self, h, pages):
+        for layer, p in zip(self.layers, pages):
+            h = layer(h, p)
+        return h * 2
+
+
+def test_layers_whose_inputs_hold_symbols_of_their_own_compile_once():
+    """Each layer's KV-cache pages: a tensor of its own whose block count Dynamo traces as a
+    symbol of its own. The layers' regions differ only in which symbols they read: one code."""
+    compiled = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op.startswith("call") and node.meta.get("nn_module_stack"):
+                node.meta["fxlora_module"] = module_fqn(list(node.meta["nn_module_stack"].values())[-1][0])
+        compiled.append(compile_inner(gm, "inductor"))
+        return compiled[-1]
+
+    model = _PagedModel()
+    run = torch.compile(model, backend=backend)
+    for blocks in (6, 9):  # other block counts reuse the code
+        h, pages = torch.randn(3, 4), [torch.randn(blocks, 4) for _ in range(4)]
+        for p in pages:
+            torch._dynamo.maybe_mark_dynamic(p, 0)
+        with torch.no_grad():
+            torch.testing.assert_close(run(h, pages), model(h, pages), rtol=1e-5, atol=1e-5)
+    symbols = {str(s) for c in compiled for step in c.regions.steps for v in step.region.example_inputs for s in getattr(v, "shape", ())}
+    assert len(symbols) > 1, symbols  # the pages' sizes are symbols of their own
+    assert [c.regions.describe() for c in compiled] == ["4 regions, 2 compiled"]  # three layers alike, the last with the doubling

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
@@ -233,8 +234,8 @@ class _Run:
             self.env[node] = self.rebuild(node)
         # every symbol the inputs' sizes hold, as an input of its own, where Inductor reads it (a mask's
         # past + new columns name no symbol Inductor could read off a size)
-        symbols = set().union(*(free_symbols(self.splitter.value(n)) for n in self.inputs))
-        for symbol in sorted(symbols, key=str):
+        symbols = dict.fromkeys(s for n in self.inputs for s in _in_order(self.splitter.value(n)))
+        for symbol in symbols:  # in order of appearance, as the region's key names them (_expression)
             if symbol not in self.splitter.symbols:
                 raise _Unsplittable(f"symbol {symbol} in a region's input sizes is no input of the graph")
             self.read(self.splitter.symbols[symbol])
@@ -267,7 +268,8 @@ class _Run:
         region_gm = fx.GraphModule(torch.nn.Module(), self.graph)
         example_inputs = [self.splitter.value(n) for n in self.inputs]
         storages: dict[Any, int] = {}
-        described = tuple(_describe(v, storages) for v in example_inputs)
+        symbols: dict[Any, Any] = {}
+        described = tuple(_describe(v, storages, symbols) for v in example_inputs)
         return region_gm, example_inputs, (region_gm.code, described)
 
 
@@ -276,23 +278,50 @@ def _no_tensor(arg: Any) -> None:
         raise _Unsplittable("a node holds a tensor in its arguments")
 
 
-def _describe(value: Any, storages: dict[Any, int]) -> Any:
+def _describe(value: Any, storages: dict[Any, int], symbols: dict[Any, Any]) -> Any:
     """What a region's compiled code may depend on of one input: for a tensor its type,
     dtype, device, sizes, strides, offset and which storage among the region's inputs it
-    views (for a subclass, its layout and its inner tensors); for a scalar its expression."""
+    views (for a subclass, its layout and its inner tensors); for a scalar its expression.
+    Size symbols are named by their first appearance among the region's inputs
+    (:func:`_expression`): each layer's KV-cache pages have a block count of their own, which
+    Dynamo traces as a symbol of its own, and the layers' regions are still one."""
     if isinstance(value, torch.Tensor):
         described: tuple = (
             type(value).__name__, value.dtype, str(value.device), value.requires_grad,
-            tuple(map(str, value.shape)), tuple(map(str, value.stride())),
+            tuple(_expression(d, symbols) for d in value.shape), tuple(_expression(d, symbols) for d in value.stride()),
         )  # fmt: skip
         if is_traceable_wrapper_subclass(value):
             names, context = value.__tensor_flatten__()
-            return (*described, repr(context), tuple(_describe(getattr(value, n), storages) for n in names))
+            return (*described, repr(context), tuple(_describe(getattr(value, n), storages, symbols) for n in names))
         storage = StorageWeakRef(value.untyped_storage())
-        return (*described, str(value.storage_offset()), storages.setdefault(storage, len(storages)))
+        return (*described, _expression(value.storage_offset(), symbols), storages.setdefault(storage, len(storages)))
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ("symbol", str(value.node.expr))
+        return ("symbol", _expression(value, symbols))
     return ("constant", repr(value))
+
+
+def _in_order(value: Any) -> list[Any]:
+    """The size symbols of ``value`` in the order :func:`_describe` meets them."""
+    if isinstance(value, torch.Tensor):
+        inner = value.__tensor_flatten__()[0] if is_traceable_wrapper_subclass(value) else []
+        parts = [*value.shape, *value.stride(), *([] if inner else [value.storage_offset()])]
+        return [s for p in parts for s in _in_order(p)] + [s for n in inner for s in _in_order(getattr(value, n))]
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return sorted(free_symbols(value), key=str)
+    return []
+
+
+def _expression(size: Any, symbols: dict[Any, Any]) -> str:
+    """``size`` as text, its symbols renamed ``r0, r1, ...`` in the order the region's inputs
+    first show them (new ones within one expression by name): two regions whose inputs differ
+    only in which symbols they hold get one key, and their code, which reads every size from
+    its inputs, serves both."""
+    if not isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return str(size)
+    expr = size.node.expr
+    for symbol in sorted(expr.free_symbols - symbols.keys(), key=str):
+        symbols[symbol] = sympy.Symbol(f"r{len(symbols)}", **symbol.assumptions0)
+    return str(expr.xreplace(symbols))
 
 
 def _plan_frees(steps: Sequence[Step], output: Any) -> None:
