@@ -425,6 +425,7 @@ def compile(
     )
     group = sharding.process_group(model)
     experts.mark_loop_experts(model)  # flags only: found, read and probed as transformers' experts are
+    experts_op.mark_segment_gemms(model)  # a mark only: their weights' LoRA read as they compute
     for name, source in adapters.items():
         load(pool, model, name, source, group)
     with sharding.one_outcome(group):  # a tensor-parallel model: every rank fails, or none does
@@ -448,6 +449,8 @@ def compile(
         log.info("experts switched to the traceable grouped_mm implementation")
     if served := experts_op.serve_loops(model):  # experts with no implementation to switch: the op is their forward
         log.info("experts that loop over the routing compute by fxlora::moe_lora: %s", ", ".join(served))
+    if served := experts_op.serve_segment_gemms(model):
+        log.info("segment GEMMs that loop over their segments compute by fxlora::grouped_mm: %s", ", ".join(served))
     backend = Backend(pool, modules=ModuleTree(model), inner=inner)
     # a call of a target outside the compiled graphs is seen, so one the model makes nowhere needs no LoRA
     watch_calls(model, {fqn: t.module for fqn, t in pool.targets.items()})

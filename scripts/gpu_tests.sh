@@ -25,7 +25,7 @@ python3 -c "import torch, triton, transformers, peft; print('torch', torch.__ver
 # device call of 10 minutes: GPU_PART=1 or 2; both by default
 PART1="tests/test_gpu.py tests/test_gpu_moe.py tests/test_gpu_runtime.py"
 PART2="tests/test_kernel_sgmv.py tests/test_kernel_bgmv.py tests/test_kernel_lora_linear.py tests/test_kernel_lora_embedding.py \
-    tests/test_kernel_lora_embedding_delta.py tests/test_kernel_lora_conv_delta.py tests/test_kernel_lora_weight_rows.py \
+    tests/test_kernel_lora_embedding_delta.py tests/test_kernel_lora_conv_delta.py tests/test_kernel_lora_weight_rows.py tests/test_kernel_lora_grouped_delta.py \
     tests/test_kernel_batch_info.py tests/test_kernel_moe_lora.py tests/test_passes.py tests/test_kernel_decode_attention.py \
     tests/test_pass_decode_attention.py tests/test_inner.py tests/test_kernel_lora_delta.py tests/test_kernel_lora_shrink.py \
     tests/test_coverage.py tests/test_kernel_grouped_mm.py tests/test_gpu_quantized.py tests/test_kernel_paged_decode_attention.py \

@@ -1,6 +1,7 @@
 """fxlora::grouped_mm: ATen's grouped GEMM behind an op of fxlora's own, against one matmul per
-group, drawn over group sizes (empty groups and rows past the last offset included) and the
-dtypes Inductor cannot trace ATen's op in; the op's schema and fake; and a graph compiled by
+group, drawn over group sizes (empty groups and rows past the last offset included), widths
+whose rows are no multiple of 16 bytes (zero-padded) and the dtypes Inductor cannot trace ATen's
+op in; the op's schema and fake; and a graph compiled by
 Inductor around it in float32, which ATen's own op does not compile in."""
 
 import pytest
@@ -16,7 +17,7 @@ def _case(data, dtype):
     groups = data.draw(st.integers(1, 5), label="groups")
     sizes = data.draw(st.lists(st.integers(0, 7), min_size=groups, max_size=groups), label="sizes")
     tail = data.draw(st.integers(0, 3), label="rows past the last group")
-    fin, fout = data.draw(st.sampled_from([8, 16, 24]), label="in"), data.draw(st.sampled_from([8, 32]), label="out")
+    fin, fout = data.draw(st.sampled_from([8, 16, 24, 5]), label="in"), data.draw(st.sampled_from([8, 32, 7]), label="out")  # odd: padded
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     x = torch.randn(sum(sizes) + tail, fin, generator=gen).to(DEVICE, dtype)
     w = (torch.randn(groups, fin, fout, generator=gen) / fin**0.5).to(DEVICE, dtype)

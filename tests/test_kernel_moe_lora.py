@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from lora_cases import nan_workspace
 
 from fxlora.ops import batch_info
+from fxlora.ops.lora_delta import add_pair_deltas
 from fxlora.ops.moe_lora import GATE_PARAMS, GATES, ExpertsLayout, moe_lora, moe_lora_composed
 
 pytest.importorskip("fxlora.kernels.sgmv")
@@ -76,7 +77,7 @@ def run(fn, case, slot_ids, slots, gate, transposed, lora_on, identity=0):
     device_case = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (x, index, weights, up, up_b, down, down_b)]
     lora = [[t.to(DEVICE) for t in factors] if on else [] for on, factors in zip(lora_on, (up_lora, down_lora))]
     token_slot = batch_info(slot_ids.to(DEVICE), device_case[0], 1, slots)[0]
-    module = sys.modules[moe_lora_composed.__module__]  # the shrink's scratch as a graph may hand it over
+    module = sys.modules[add_pair_deltas.__module__]  # the shrink's scratch as a graph may hand it over
     with mock.patch.object(module, "lora_workspace", nan_workspace):
         return fn(*device_case, *lora, token_slot, layout(gate, transposed, identity))
 

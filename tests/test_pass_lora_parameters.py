@@ -5,6 +5,7 @@ the uses fxlora cannot read refused naming the parameter and the operation."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from peft import LoraConfig
 
@@ -236,4 +237,99 @@ def test_jetmoes_routed_experts_match_peft():
     ids = torch.randint(3, 99, (4, 6), generator=torch.Generator().manual_seed(3))
     cm = mixed_against_peft(model, adapters, ["a", None, "b", "a"], ids)
     assert "LoRA of 3-D parameters in linears over the tokens routed to each expert" in cm.explain()
+    assert "Not served:\n  nothing" in cm.explain()
+
+
+class SegmentGemm(torch.nn.Module):
+    """Rows in segments by expert, each segment times its expert's ``(in, out)`` slice, looping
+    on the host (transformers 5.17's ``AriaGroupedExpertsGemm``)."""
+
+    def __init__(self, experts: int, fin: int, fout: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, fin, fout) / fin**0.5)
+
+    def forward(self, input, tokens_per_expert):
+        ends = torch.cumsum(tokens_per_expert.cpu(), 0).tolist()
+        out = torch.zeros(input.shape[0], self.weight.shape[-1], dtype=input.dtype)
+        for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+            out[start:end] = input[start:end] @ self.weight[e]
+        return out
+
+
+class SegmentExperts(torch.nn.Module):
+    def __init__(self, hidden: int = 16, inter: int = 6, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.router, self.top_k, self.experts = torch.nn.Linear(hidden, experts, bias=False), top_k, experts
+        self.fc1, self.fc2 = SegmentGemm(experts, hidden, 2 * inter), SegmentGemm(experts, inter, hidden)
+
+    def forward(self, h):
+        weights, index = torch.topk(self.router(h), self.top_k, dim=-1)
+        weights = weights.softmax(-1)
+        counts = torch.histc(index.flatten().float(), bins=self.experts, min=0, max=self.experts - 1).long()
+        order = torch.argsort(index.view(-1))
+        up, gate = self.fc1(h.index_select(0, order // self.top_k), counts).chunk(2, dim=-1)
+        out = self.fc2(F.silu(up) * gate, counts)
+        unsorted = torch.zeros_like(out).index_copy(0, order, out).view(-1, self.top_k, out.shape[-1])
+        return (unsorted * weights.unsqueeze(-1)).sum(1)
+
+
+class SegmentModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.moe, self.head = torch.nn.Embedding(50, 16), SegmentExperts(), torch.nn.Linear(16, 50)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        rows, length, hidden = h.shape
+        return self.head(h + self.moe(h.reshape(-1, hidden)).view(rows, length, hidden))
+
+
+def test_segment_gemms_match_peft():
+    """A module that multiplies rows in segments by its 3-D weight, looping on the host, is
+    proven so and given one grouped GEMM as its forward; each routed row reads its token's
+    slot, and PEFT's factors, which read the weight as (experts, out, in), are turned round."""
+    torch.manual_seed(0)
+    model = SegmentModel().eval()
+    targets = ["fc1.weight", "fc2.weight"]
+    adapters = {
+        "a": make_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules=["router"], target_parameters=targets), seed=1, directory="", scale=0.5),
+        "b": make_adapter(model, LoraConfig(r=2, use_rslora=True, target_parameters=targets[1:]), seed=2, directory="", scale=0.5),
+    }  # fmt: skip
+    ids = torch.randint(0, 50, (4, 5), generator=torch.Generator().manual_seed(3))
+    names = ["a", None, "b", "a"]
+    with torch.no_grad():  # PEFT over the modules' own loops, before fxlora gives them the grouped GEMM
+        want = {n: (model if n is None else peft_model_with(model, {n: adapters[n]}))(input_ids=ids) for n in set(names)}
+    cm = fxlora.compile(model, adapters, max_loras=3, max_rank=4)
+    with torch.no_grad():
+        out = cm(input_ids=ids, adapter_names=names)
+    for name in set(names):
+        rows = [i for i, n in enumerate(names) if n == name]
+        check_rows(out[rows], want[name][rows], [name] * len(rows))
+    assert "LoRA of 3-D parameters in grouped GEMMs over rows in segments: fc1.weight, fc2.weight" in cm.explain()
+    assert "Not served:\n  nothing" in cm.explain()
+
+
+def test_arias_segment_gemms_match_peft():
+    """transformers 5.17's Aria: its experts' fc1 / fc2 are segment GEMMs (later versions
+    build Aria's experts on transformers' experts implementation)."""
+    aria = pytest.importorskip("transformers.models.aria.modeling_aria")
+    if not hasattr(aria, "AriaGroupedExpertsGemm"):
+        pytest.skip("this transformers builds Aria's experts as an experts module")
+    config = transformers.AriaTextConfig(
+        hidden_size=32, head_dim=16, intermediate_size=37, num_attention_heads=2, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=99,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AriaTextForCausalLM(config).float().eval()
+    fill_zero_weights(model, 0.5)
+    targets = ["fc1.weight", "fc2.weight"]
+    adapters = {"a": make_adapter(model, LoraConfig(r=4, target_modules="all-linear", target_parameters=targets), seed=1, directory="", scale=0.5)}
+    ids = torch.randint(3, 99, (3, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = {"a": peft_model_with(model, adapters)(input_ids=ids).logits, None: model(input_ids=ids).logits}
+    cm = fxlora.compile(model, adapters, max_loras=2, max_rank=4)
+    with torch.no_grad():
+        out = cm(input_ids=ids, adapter_names=["a", None, "a"]).logits
+    check_rows(out[[0, 2]], want["a"][[0, 2]], ["a", "a"])
+    check_rows(out[[1]], want[None][[1]], [None])
     assert "Not served:\n  nothing" in cm.explain()

@@ -8,7 +8,8 @@ parameters, ``(E, in, out)`` when transposed. Each of the two is a pool target o
 named ``<experts>.<parameter>``. Experts that ``transformers`` built without an experts
 implementation, whose forward loops over the experts the routing hits (LongCat-Flash's), are
 found by what they hold and take (:func:`is_loop_experts`) and given the same flags
-(:func:`mark_loop_experts`), read from their parameters' shapes.
+(:func:`mark_loop_experts`), read from their parameters' shapes. A segment GEMM
+(:func:`is_segment_gemm`), the half of an older experts layout, holds one such parameter.
 
 Adapter formats, all turned into ``LoraFactors("experts", a (E_a, r, in), b (E_b, out, r))``
 (:mod:`fxlora.adapters.placement` finds which format and which parameter):
@@ -45,6 +46,32 @@ def is_experts(module: torch.nn.Module) -> bool:
 
 
 LOOP_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
+SEGMENTS = "_fxlora_segments"  # on a segment GEMM: the name of its weight
+
+
+def is_segment_gemm(module: torch.nn.Module) -> bool:
+    """A module the compiler proved to multiply each contiguous segment of its input's rows by
+    one group's slice of its 3-D weight ``(groups, in, out)``, ``forward(x, counts)`` with the
+    segments' lengths, looping over them on the host (transformers 5.17's Aria,
+    ``AriaGroupedExpertsGemm``): :func:`fxlora.compiler.experts_op.mark_segment_gemms`."""
+    return bool(getattr(module, SEGMENTS, None))
+
+
+def segment_gemm_weight(module: torch.nn.Module) -> tuple[str, torch.nn.Parameter] | None:
+    """The weight of a module that may be a segment GEMM: its one parameter, 3-D and plain,
+    with a forward of two inputs; None for any other module."""
+    params = list(module.named_parameters(recurse=False))
+    if len(params) != 1 or is_experts(module) or any(True for _ in module.children()):
+        return None
+    name, weight = params[0]
+    if weight.dim() != 3 or not weight.is_floating_point() or type(weight) is not torch.nn.Parameter:
+        return None
+    try:
+        inputs = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in inputs if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (name, weight) if len(positional) == len(inputs) == 2 else None
 
 
 def is_loop_experts(module: torch.nn.Module) -> bool:
@@ -120,10 +147,12 @@ def gate_name(module: torch.nn.Module) -> str:
 
 
 def in_out(module: torch.nn.Module, weight: torch.Tensor) -> tuple[int, int]:
-    """``(in, out)`` features of a 3-D parameter as PEFT's ``target_parameters`` reads it:
-    ``(experts, out, in)``, or ``(experts, in, out)`` where the module says ``is_transposed``."""
+    """``(in, out)`` features of a 3-D parameter as the module computes with it: ``(experts,
+    out, in)`` as PEFT's ``target_parameters`` reads it, or ``(experts, in, out)`` where the
+    module says ``is_transposed`` or is a segment GEMM (whose PEFT factors
+    :func:`parameter_factors` turns round)."""
     _, d1, d2 = weight.shape
-    return (d1, d2) if getattr(module, "is_transposed", False) else (d2, d1)
+    return (d1, d2) if getattr(module, "is_transposed", False) or is_segment_gemm(module) else (d2, d1)
 
 
 def parameter_factors(culprit: str, module: torch.nn.Module, name: str, a, b, r: int, scaling: float) -> LoraFactors:
@@ -134,7 +163,8 @@ def parameter_factors(culprit: str, module: torch.nn.Module, name: str, a, b, r:
         raise AdapterError(f"{culprit}: only the experts' {sorted(experts_parameters(module))} are supported")
     weight = getattr(module, name)
     experts = weight.shape[0]
-    fin, fout = in_out(module, weight)
+    turned = is_segment_gemm(module)  # PEFT reads (experts, out, in); the module computes x @ P[e]
+    fin, fout = in_out(module, weight)[:: -1 if turned else 1]  # as PEFT reads it
     ea, eb = a.shape[0] // r, b.shape[1] // r
     fits = a.shape[0] % r == 0 and b.shape[1] % r == 0 and ea in (1, experts) and eb in (1, experts)
     if not fits or a.shape[1] != fin or b.shape[0] != fout:
@@ -145,6 +175,8 @@ def parameter_factors(culprit: str, module: torch.nn.Module, name: str, a, b, r:
         )
     a = a.reshape(ea, r, fin)
     b = b.reshape(fout, r, eb).permute(2, 0, 1)
+    if turned:  # x @ (B A) = (x @ B) @ A: the LoRA of a linear whose factors are Bᵀ and Aᵀ
+        a, b = b.transpose(1, 2), a.transpose(1, 2)
     fmt = "target_parameters" if ea == eb == experts else "shared-outer"
     return LoraFactors("experts", a, b, scaling, format=fmt)
 

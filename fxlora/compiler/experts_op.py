@@ -14,7 +14,13 @@ traces, for experts none of transformers' implementations serves.
   identity experts): found and flagged by :mod:`fxlora.adapters.experts`, each gets the op as
   its forward (an instance attribute; the class is untouched).
 
-The traced region is then one op reading the experts' parameters, which the ``lora_moe`` pass
+- Segment GEMMs (:func:`mark_segment_gemms`, :func:`serve_segment_gemms`): a module that
+  multiplies each segment of its input's rows by one group of its 3-D weight, looping over
+  the segments on the host (transformers 5.17's Aria, ``AriaGroupedExpertsGemm``), proven so
+  on a probe, gets ``fxlora::grouped_mm`` as its forward; the ``lora_parameters`` pass serves
+  its weight's LoRA.
+
+The traced region of experts is then one op reading the experts' parameters, which the ``lora_moe`` pass
 serves as any other, the LoRA deltas added after each GEMM, before the gate and before the
 routed sum. Each module is checked before anything changes: the layout that computes as the
 module does (:func:`fxlora.compiler.experts_probe.choose_layout`) and the op, with no adapter,
@@ -32,8 +38,9 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fxlora.adapters import experts
-from fxlora.compiler.experts_probe import LAYOUT, choose_layout, probe_like, prove_region
+from fxlora.compiler.experts_probe import LAYOUT, PROBE_RTOL, choose_layout, probe_like, prove_region
 from fxlora.errors import NotServed, QuantizationError
+from fxlora.ops.grouped_mm import grouped_mm_reference, traceable_grouped_mm
 from fxlora.ops.moe_lora import serve_weights_of
 
 NAME = "fxlora_moe_lora"
@@ -96,5 +103,55 @@ def serve_loops(model: torch.nn.Module) -> list[str]:
                 continue
             setattr(module, LAYOUT, layout.spec)
             module.forward = types.MethodType(forward, module)
+            served.append(fqn)
+    return served
+
+
+def mark_segment_gemms(model: torch.nn.Module) -> list[str]:
+    """Mark each module of ``model`` that computes as a segment GEMM
+    (:func:`fxlora.adapters.experts.is_segment_gemm`): its forward, on a probe of random rows
+    in segments of several lengths (none empty too), against ``x[segment g] @ weight[g]``.
+    Returns their names. The mark changes nothing the module computes; the pool reads its
+    weight's LoRA as the module computes with it."""
+    marked = []
+    for fqn, module in model.named_modules():
+        found = experts.segment_gemm_weight(module)
+        if found is not None and not experts.is_segment_gemm(module) and _computes_segments(module, found[1]):
+            setattr(module, experts.SEGMENTS, found[0])
+            marked.append(fqn)
+    return marked
+
+
+def _computes_segments(module: torch.nn.Module, weight: torch.Tensor) -> bool:
+    groups, fin, _ = weight.shape
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.arange(groups) % 3  # 0, 1, 2 rows by turns
+    x = torch.randn(int(counts.sum()), fin, generator=gen).to(weight.device, weight.dtype)
+    counts = counts.to(weight.device)
+    with torch.no_grad():
+        try:
+            got = module(x, counts)
+        except Exception:  # noqa: BLE001 - a module that does not take (rows, counts) is no segment GEMM
+            return False
+        want = grouped_mm_reference(x, weight, torch.cumsum(counts, 0, dtype=torch.int32))
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or not got.is_floating_point():
+        return False
+    error = (got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)
+    return bool(error <= PROBE_RTOL.get(weight.dtype, PROBE_RTOL[torch.float16]))
+
+
+def segments_forward(self: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The forward of a segment GEMM: one grouped GEMM, with no read of the counts on the host."""
+    weight = getattr(self, getattr(self, experts.SEGMENTS))
+    return traceable_grouped_mm(x, weight, torch.cumsum(counts, 0, dtype=torch.int32))
+
+
+def serve_segment_gemms(model: torch.nn.Module) -> list[str]:
+    """Give each marked segment GEMM of ``model`` :func:`segments_forward` as its forward;
+    returns their names."""
+    served = []
+    for fqn, module in model.named_modules():
+        if experts.is_segment_gemm(module) and "forward" not in vars(module):
+            module.forward = types.MethodType(segments_forward, module)
             served.append(fqn)
     return served

@@ -24,10 +24,11 @@ from fxlora.ops.lora_conv_delta import lora_conv_delta
 from fxlora.ops.lora_delta import lora_delta
 from fxlora.ops.lora_embedding import lora_embedding
 from fxlora.ops.lora_embedding_delta import lora_embedding_delta
+from fxlora.ops.lora_grouped_delta import lora_grouped_delta, lora_grouped_delta_composed
 from fxlora.ops.lora_linear import lora_linear, lora_linear_fused
 from fxlora.ops.lora_shrink import lora_shrink
 from fxlora.ops.lora_weight_rows import lora_weight_rows
-from fxlora.ops.moe_lora import COMPOSITIONS, moe_lora
+from fxlora.ops.moe_lora import moe_lora, moe_lora_composed
 from fxlora.ops.operands import BatchInfo, LoraWeights
 from fxlora.ops.paged_attention import gather_pages, paged_decode_attention
 
@@ -41,8 +42,16 @@ LORA_OPS = frozenset({
     torch.ops.fxlora.lora_weight_rows.default,
     torch.ops.fxlora.lora_embedding.default,
     torch.ops.fxlora.lora_embedding_delta.default,
+    torch.ops.fxlora.lora_grouped_delta.default,
     torch.ops.fxlora.moe_lora.default,
 })
+
+# ops that Inductor compiles as their composition on CUDA (fxlora.compiler.inner): their
+# routing and gathers fuse with the graph's own, and only their GEMMs and LoRA kernels stay calls
+COMPOSITIONS = {
+    torch.ops.fxlora.moe_lora.default: moe_lora_composed,
+    torch.ops.fxlora.lora_grouped_delta.default: lora_grouped_delta_composed,
+}
 
 __all__ = [
     "COMPOSITIONS",
@@ -57,6 +66,7 @@ __all__ = [
     "lora_delta",
     "lora_embedding",
     "lora_embedding_delta",
+    "lora_grouped_delta",
     "lora_linear",
     "lora_linear_fused",
     "lora_shrink",

@@ -32,7 +32,14 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
 @torch.library.custom_op("fxlora::grouped_mm", mutates_args=())
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``x`` (rows, in), ``w`` (groups, in, out), ``offsets`` (groups,) int32, the groups'
-    cumulative row ends. Returns (rows, out)."""
+    cumulative row ends. Returns (rows, out). ATen's kernel reads 16-byte rows: odd widths are
+    zero-padded first (a copy; real models never need it)."""
+    fin, fout = w.shape[1:]
+    align = 16 // x.element_size()
+    pad_in, pad_out = -fin % align, -fout % align
+    if pad_in or pad_out:
+        x, w = F.pad(x, (0, pad_in)), F.pad(w, (0, pad_out, 0, pad_in))
+        return _aten_grouped_mm(x, w, offs=offsets)[:, :fout].contiguous()
     return _aten_grouped_mm(x, w, offs=offsets)
 
 
@@ -42,9 +49,9 @@ def _(x, w, offsets):
 
 
 def traceable_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """ATen's grouped GEMM in bfloat16, which Inductor traces and lowers, else this op. A
-    tensor subclass ``w`` (a quantised weight) serves ATen's op through its own dispatch, or
-    raises ``NotImplementedError``; this op it does not serve."""
-    if x.dtype == torch.bfloat16:
+    """ATen's grouped GEMM in bfloat16 over 16-byte rows, which Inductor traces and lowers,
+    else this op. A tensor subclass ``w`` (a quantised weight) serves ATen's op through its own
+    dispatch, or raises ``NotImplementedError``; this op it does not serve."""
+    if x.dtype == torch.bfloat16 and not (w.shape[1] % 8 or w.shape[2] % 8):
         return _aten_grouped_mm(x, w, offs=offsets)
     return torch.ops.fxlora.grouped_mm(x, w, offsets)

@@ -22,7 +22,7 @@ import torch
 
 from fxlora.kernels import sgmv
 from fxlora.ops.batch_info import slot_groups
-from fxlora.ops.delta_launcher import capturing, expand_onto, join, with_lora_delta
+from fxlora.ops.delta_launcher import capturing, expand_onto, join, lora_workspace, with_lora_delta
 from fxlora.ops.operands import BatchInfo, LoraWeights
 
 
@@ -48,6 +48,30 @@ def sliced_delta_reference(ys: list[torch.Tensor], x: torch.Tensor, weights: Lor
         a, b = lora_a[:, i * max_rank : (i + 1) * max_rank], lora_b[:, col : col + width]
         lora_delta_reference(y, x, LoraWeights(a, b, scaling[i::n], rank[i::n]), token_slot)
         col += width
+
+
+def add_pair_deltas(y, x, lora: LoraWeights | None, pair_slot, pair_group, pairs=None):
+    """``y += scaling · (x @ A[s, g]ᵀ) @ B[s, g]ᵀ`` for each row's pair of slot ``s`` and group
+    ``g`` (an expert), of a pool holding a delta per group (``A (slots, groups, r, in)``),
+    read as ``slots · groups`` adapters: pair ``(s, g)`` is adapter ``s · groups + g``, none
+    where ``s < 0``. Nothing is read on the host. Returns the pairs' ``fxlora::batch_info``
+    over those ids, ``(pool size, batch_info)``, which a call over the same rows and a pool of
+    as many adapters takes back as ``pairs``."""
+    if lora is None:
+        return pairs
+    lora_a, lora_b, scaling, rank = lora
+    slots, groups, max_rank, fin = lora_a.shape
+    if pairs is None or pairs[0] != slots * groups:
+        pool_id = torch.where(pair_slot >= 0, pair_slot * groups + pair_group, -1).to(torch.int32)
+        pairs = (slots * groups, torch.ops.fxlora.batch_info(pool_id, x, 1, slots * groups))
+    per_pair = [
+        lora_a.view(slots * groups, max_rank, fin),
+        lora_b.view(slots * groups, lora_b.shape[2], max_rank),
+        scaling.repeat_interleave(groups),
+        rank.repeat_interleave(groups),
+    ]
+    torch.ops.fxlora.lora_delta(x, [y], per_pair, list(pairs[1]), lora_workspace(x, per_pair[0]))
+    return pairs
 
 
 @torch.library.custom_op("fxlora::lora_delta", mutates_args=("outputs", "workspace"))

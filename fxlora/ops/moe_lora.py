@@ -43,7 +43,7 @@ in other dtypes, which Inductor cannot trace ATen's in), and the LoRA deltas are
 ``fxlora::lora_delta`` over the pairs, the pool read as ``slots · E`` adapters and the pairs'
 ``(slot, expert)`` segments from ``fxlora::batch_info`` again. So it is capturable in a CUDA
 graph and replays with any routing and adapters. Under Inductor the graph holds the
-composition in place of the op (:data:`COMPOSITIONS`): Inductor fuses its routing, gate and
+composition in place of the op (``fxlora.ops.COMPOSITIONS``): Inductor fuses its routing, gate and
 routed sum as it does the model's own experts code, and only the GEMMs, the sorts and the
 LoRA kernels stay calls.
 """
@@ -59,8 +59,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from fxlora.kernels import sgmv
 from fxlora.ops.batch_info import slot_groups
-from fxlora.ops.delta_launcher import lora_workspace
 from fxlora.ops.grouped_mm import traceable_grouped_mm
+from fxlora.ops.lora_delta import add_pair_deltas
 from fxlora.ops.operands import LoraWeights, optional_weights
 
 # each gate the op knows, and the parameters it takes, in order
@@ -240,10 +240,10 @@ def moe_lora_composed(
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     pair_slot = token_slot.index_select(0, pair_token) if up or down else None
     h = _grouped_linear(x, up_weight, offsets, up_bias, pair_expert, transposed)
-    pairs = _add_lora_pairs(h, x, up, pair_slot, pair_expert)
+    pairs = add_pair_deltas(h, x, up, pair_slot, pair_expert)
     g = apply_gate(h, form)
     o = _grouped_linear(g, down_weight, offsets[: down_weight.shape[0]], down_bias, pair_expert, transposed)
-    _add_lora_pairs(o, g, down, pair_slot, pair_expert, pairs)
+    add_pair_deltas(o, g, down, pair_slot, pair_expert, pairs)
     o = o * top_k_weights.reshape(-1)[order, None].to(o.dtype)
     weighted = torch.empty_like(o).index_copy(0, order, o)  # back to (token, k) order
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
@@ -269,42 +269,12 @@ def _grouped_linear(x, weight, offsets, bias, pair_expert, transposed: bool):
 
 
 def _grouped_mm(x, weight, offsets, transposed: bool):
-    w = weight if transposed else weight.transpose(-2, -1)  # (E, in, out)
-    fin, fout = w.shape[1:]
-    align = 16 // x.element_size()
-    pad_in, pad_out = -fin % align, -fout % align
-    if pad_in or pad_out:  # grouped GEMMs read 16-byte rows: zero-pad odd widths (a copy; real models never need it)
-        x, w = F.pad(x, (0, pad_in)), F.pad(w, (0, pad_out, 0, pad_in))
-    return traceable_grouped_mm(x, w, offsets)[:, :fout]
-
-
-def _add_lora_pairs(y, x, lora: LoraWeights | None, pair_slot, pair_expert, pairs=None):
-    """``y += scaling · (x @ A[s, e]ᵀ) @ B[s, e]ᵀ`` per pair, the pool read as ``slots · E``
-    adapters: pair ``(s, e)`` is adapter ``s · E + e``, or none without a slot. Returns the
-    pairs' ``fxlora::batch_info`` over the pool ids, ``(pool size, batch_info)``, which the
-    other projection reuses when its pool has as many adapters (``pairs``)."""
-    if lora is None:
-        return pairs
-    lora_a, lora_b, scaling, rank = lora
-    slots, experts, max_rank, fin = lora_a.shape
-    if pairs is None or pairs[0] != slots * experts:
-        pool_id = torch.where(pair_slot >= 0, pair_slot * experts + pair_expert, -1).to(torch.int32)
-        pairs = (slots * experts, torch.ops.fxlora.batch_info(pool_id, x, 1, slots * experts))
-    per_pair = [
-        lora_a.view(slots * experts, max_rank, fin),
-        lora_b.view(slots * experts, lora_b.shape[2], max_rank),
-        scaling.repeat_interleave(experts),
-        rank.repeat_interleave(experts),
-    ]
-    torch.ops.fxlora.lora_delta(x, [y], per_pair, list(pairs[1]), lora_workspace(x, per_pair[0]))
-    return pairs
+    return traceable_grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offsets)  # w: (E, in, out)
 
 
 if sgmv is not None:
     moe_lora.register_kernel("cuda")(moe_lora_composed)
 
-# ops that Inductor compiles as their composition on CUDA (fxlora.compiler.inner)
-COMPOSITIONS = {torch.ops.fxlora.moe_lora.default: moe_lora_composed}
 
 
 @moe_lora.register_fake
@@ -324,7 +294,7 @@ def serve_weights_of(subclass: type) -> None:
     the routing on the host): a graph traced through the subclass, as AOTAutograd traces a
     graph whose inputs are subclasses, then computes the op rather than an empty tensor of
     its shape. fxlora's graphs hold the composition in the op's place already
-    (:data:`COMPOSITIONS`, :func:`fxlora.compiler.inner.composed`)."""
+    (``fxlora.ops.COMPOSITIONS``, :func:`fxlora.compiler.inner.composed`)."""
     if subclass in _SERVED_SUBCLASSES:
         return
 

@@ -7,7 +7,7 @@ transformers' experts modules (those are ``lora_moe``'s): the graph's reads of t
 module's forward, and where each one goes. PEFT adapts the parameter only while its module
 runs, so a read elsewhere (Jamba's Mamba mixer passing ``conv1d.weight`` to a function) keeps
 the base weight in both, and is recorded as information. PEFT adapts ``P (experts, d1, d2)``
-as ``P[e] += scaling · B[e] @ A[e]``, ``(out, in) = (d1, d2)``. Four uses are read:
+as ``P[e] += scaling · B[e] @ A[e]``, ``(out, in) = (d1, d2)``. Five uses are read:
 
 - ``bmm(X, P.transpose(1, 2))`` (``torch.bmm`` / ``torch.matmul``) is a linear per expert:
   ``Y[e] = X[e] @ P[e]ᵀ``, each expert's delta the LoRA delta of ``X[e]``'s tokens — of ``x``
@@ -31,6 +31,11 @@ as ``P[e] += scaling · B[e] @ A[e]``, ``(out, in) = (d1, d2)``. Four uses are r
   split's pieces in order: JetMoE's experts). Each routed token's slot is its source token's,
   ``token_slot[index]``, split as the tokens are (a prologue of the graph's own slots), and one
   ``fxlora::lora_delta`` per expert adds onto its linear's output.
+- ``grouped_mm(x, P, offsets)``, a segment GEMM's (:func:`fxlora.adapters.experts.is_segment_gemm`:
+  its pool factors are turned to ``x @ P[g]``), ``x`` the batch's tokens in another order
+  (``source.index_select(0, index)`` or ``source[index]``, followed back as for routes): each
+  row's slot is ``token_slot[index]``, and ``fxlora::lora_grouped_delta`` adds each row's
+  delta for its group onto the GEMM's output, which its users read instead.
 
 Leaves alone, and records as skipped naming the parameter and the operation, a parameter the
 graph uses any other way (an ``einsum``, values that meet something other than the rows, a
@@ -64,7 +69,10 @@ WAYS = {  # each way a parameter is read -> the op it becomes, and how explain()
     "routes": ("fxlora::lora_delta", "linears over the tokens routed to each expert"),
     "conv": ("fxlora::lora_conv_delta", "a 1-D convolution"),
     "values": ("fxlora::lora_weight_rows", "products with its values, a copy per row"),
+    "groups": ("fxlora::lora_grouped_delta", "grouped GEMMs over rows in segments"),
 }
+GROUPED_MMS = {torch.ops.fxlora.grouped_mm, torch.ops.fxlora.grouped_mm.default, torch._grouped_mm, getattr(F, "grouped_mm", None)} - {None}
+_INDEX_SELECTS = {torch.index_select, torch.ops.aten.index_select.default}
 _POINTWISE_FUNCTIONS = {
     operator.mul, operator.add, operator.sub, operator.truediv, operator.neg,
     torch.mul, torch.add, torch.sub, torch.div, torch.rsub, torch.neg, torch.sigmoid, torch.exp, torch.tanh,
@@ -100,6 +108,8 @@ def lora_parameters(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             serve = _by_values
         elif all(map(_expert_index, uses)):
             serve = _by_routes
+        elif all(u.target in GROUPED_MMS for u in uses):
+            serve = _by_groups
         else:
             serve = _by_matmul
         try:
@@ -221,6 +231,35 @@ def _by_routes(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: li
     return "routes"
 
 
+def _by_groups(gm: fx.GraphModule, ctx: PassContext, target: PoolTarget, fed: list[tuple[fx.Node, fx.Node]]) -> str:
+    """Serve a segment GEMM's weight, ``grouped_mm(x, P, offsets)``, ``x`` the batch's tokens
+    in another order (:func:`_routed`): each row reads its source token's slot,
+    ``token_slot[index]``, and ``fxlora::lora_grouped_delta`` adds each row's delta onto the
+    GEMM's output, whose users read the sum. Raises :class:`NotServed` (the graph as it was)
+    where the parameter is not a segment GEMM's or its rows cannot be followed back."""
+    fqn, graph = target.fqn, gm.graph
+    if not experts.is_segment_gemm(target.info.owner):
+        raise NotServed(f"its 3-D parameter {fqn} enters a grouped GEMM in a module fxlora did not prove to compute one")
+    plans = []
+    for use, via in fed:
+        x, weight = use.args[:2]
+        offsets = use.args[2] if len(use.args) > 2 else use.kwargs.get("offs", use.kwargs.get("offsets"))
+        rows = _routed(gm, ctx, x)
+        if weight is not via or offsets is None or rows is None or rows[0] != "whole":
+            raise NotServed(f"its 3-D parameter {fqn} enters a grouped GEMM over rows fxlora cannot follow back to the batch's")
+        plans.append((use, x, offsets, rows[1], rows[2]))
+    for use, x, offsets, source, index in plans:
+        with graph.inserting_before(use.next):
+            token_slot = batch_info_for(gm, ctx, source, 1, row_dim(gm, ctx, source, feature_dims=1))[0]
+            slots = graph.call_function(operator.getitem, (token_slot, index))
+            fake_value(slots, lambda t: t[meta_value(index)], token_slot)  # noqa: B023
+            op = graph.call_function(torch.ops.fxlora.lora_grouped_delta.default, (x, use, offsets, slots, pool_nodes(gm, target)))
+            op.meta["fxlora_module"] = target.module
+            fake_value(op, lambda y: torch.empty_like(y), use)
+        use.replace_all_uses_with(op, delete_user_cb=lambda n: n is not op)  # noqa: B023
+    return "groups"
+
+
 def _expert_index(node: fx.Node) -> bool:
     """Whether ``node`` is ``P[e]``, one expert of the parameter by an int index."""
     return node.target is operator.getitem and isinstance(node.args[1], int)
@@ -236,14 +275,9 @@ def _routed(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, depth: int = 0)
         return None
     args, target = node.args, node.target
     if target is operator.getitem and isinstance(args[1], fx.Node):  # source[index]
-        value, index = meta_value(args[0]), meta_value(args[1])
-        if isinstance(value, torch.Tensor) and value.dim() == 2 and isinstance(index, torch.Tensor) and index.dim() == 1:
-            try:
-                if row_dim(gm, ctx, args[0], feature_dims=1) == 0 and not index.is_floating_point():
-                    return ("whole", args[0], args[1])
-            except NotServed:
-                return None
-        return None
+        return _whole(gm, ctx, args[0], args[1])
+    if (target in _INDEX_SELECTS or node.op == "call_method" and target == "index_select") and args[1:2] == (0,):
+        return _whole(gm, ctx, args[0], args[2])  # source.index_select(0, index)
     if target is operator.getitem and isinstance(args[1], int) and isinstance(args[0], fx.Node):
         inner = args[0]
         if _is_split(inner, dim0=True):
@@ -252,7 +286,9 @@ def _routed(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, depth: int = 0)
         if _is_split(inner, dim0=False):  # a chunk of the features: the same tokens
             return _routed(gm, ctx, inner.args[0], depth + 1)
         return None
-    if target in _LINEARS or node.op == "call_method" and target in CASTS | {"contiguous"}:
+    if target in _LINEARS | GROUPED_MMS or node.op == "call_method" and target in CASTS | {"contiguous"}:
+        return _routed(gm, ctx, args[0], depth + 1)
+    if target is torch.ops.fxlora.lora_grouped_delta.default:  # a GEMM served already: its rows are its input's
         return _routed(gm, ctx, args[0], depth + 1)
     if target in (torch.cat, torch.concat) and (args[1] if len(args) > 1 else node.kwargs.get("dim", 0)) == 0:
         pieces = [_routed(gm, ctx, n, depth + 1) for n in args[0]]
@@ -268,6 +304,18 @@ def _routed(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, depth: int = 0)
                  if getattr(meta_value(a), "shape", (None,))[:1] == rows}  # fmt: skip
         return found.pop() if len(found) == 1 else None
     return None
+
+
+def _whole(gm: fx.GraphModule, ctx: PassContext, source: fx.Node, index: fx.Node) -> tuple | None:
+    """``("whole", source, index)`` where ``source`` is the batch's tokens ``(tokens, features)``
+    and ``index`` a 1-D integer tensor picking rows of it; None otherwise."""
+    value, picked = meta_value(source), meta_value(index)
+    if not (isinstance(value, torch.Tensor) and value.dim() == 2 and isinstance(picked, torch.Tensor) and picked.dim() == 1):
+        return None
+    try:
+        return ("whole", source, index) if row_dim(gm, ctx, source, feature_dims=1) == 0 and not picked.is_floating_point() else None
+    except NotServed:
+        return None
 
 
 def _is_split(node: fx.Node, dim0: bool) -> bool:
