@@ -380,9 +380,13 @@ def compile(
     adapters are the targets, or every linear layer but the output head when none are given.
     The model itself is not modified, but for three settings: MoE experts that run transformers'
     eager loop (it reads routing on the host) are switched to its `grouped_mm` implementation,
-    and experts transformers built with no other implementation (LongCat-Flash's) compute by
-    ``fxlora::moe_lora`` (:mod:`fxlora.compiler.experts_op`); each targeted module gets a forward pre-hook that notes, during a call of the compiled
-    model, a call of it that runs outside the compiled graphs (it does nothing otherwise); and
+    and modules whose own code loops over experts or segments on the host with no such
+    implementation to switch to (LongCat-Flash's experts, transformers 5.17's Aria segment
+    GEMMs) compute by ``fxlora::moe_lora`` or one grouped GEMM, proven equal to their own code,
+    flagged as transformers flags its experts (:mod:`fxlora.compiler.experts_op`; a compile that
+    fails takes it all off again); each targeted module gets a forward pre-hook that notes,
+    during a call of the compiled model, a call of it that runs outside the compiled graphs (it
+    does nothing otherwise); and
     the model's PEFT methods (``load_adapter``, ``delete_adapter``, ``set_adapter``, ...) act
     through the compiled model or refuse (:mod:`fxlora.runtime.peft_methods`), as PEFT's layers
     injected into it would change every row. A model that already holds such layers is refused.
@@ -424,52 +428,57 @@ def compile(
         output_embedding=next((n for n, m in model.named_modules() if m is output_head), None),
     )
     group = sharding.process_group(model)
-    experts.mark_loop_experts(model)  # flags only: found, read and probed as transformers' experts are
-    experts_op.mark_segment_gemms(model)  # a mark only: their weights' LoRA read as they compute
-    for name, source in adapters.items():
-        load(pool, model, name, source, group)
-    with sharding.one_outcome(group):  # a tensor-parallel model: every rank fails, or none does
-        modules = model_modules(model)
-        quantized = check_quantized(model, pool, modules)  # before the pool compares weights it cannot read
-        pool.register_modules(modules, complete=True)
-        _check_experts_gates(model, pool)
-    config = getattr(model, "config", None)
-    if quantized and quantized.experts and not quantized.kept_experts:
-        # grouped_mm cannot read quantised experts: fxlora::moe_lora runs their own GEMMs
-        experts_op.serve_quantized(model, quantized.method)
-        log.info("experts switched to fxlora::moe_lora on their quantised weights")
-    elif (
-        getattr(config, "_experts_implementation", None) in (None, "eager")
-        and any(experts.is_experts(m) and not experts.is_loop_experts(m) for m in model.modules())
-        and not (quantized and quantized.kept_experts)
-    ):
-        # the eager experts loop reads routing on the host and breaks the graph; this one traces.
-        # Switched after every check, so that a compile that fails leaves the model as it was.
-        model.set_experts_implementation("grouped_mm")
-        log.info("experts switched to the traceable grouped_mm implementation")
-    if served := experts_op.serve_loops(model):  # experts with no implementation to switch: the op is their forward
-        log.info("experts that loop over the routing compute by fxlora::moe_lora: %s", ", ".join(served))
-    if served := experts_op.serve_segment_gemms(model):
-        log.info("segment GEMMs that loop over their segments compute by fxlora::grouped_mm: %s", ", ".join(served))
-    backend = Backend(pool, modules=ModuleTree(model), inner=inner)
-    # a call of a target outside the compiled graphs is seen, so one the model makes nowhere needs no LoRA
-    watch_calls(model, {fqn: t.module for fqn, t in pool.targets.items()})
-    if group is not None:
-        backend.notes.append(sharding.describe(group, [t.info.shard for t in pool.targets.values()]))
-    if quantized is not None:
-        backend.notes.append(quantized.describe())
-        log.info("%s", quantized.describe())
-    raise_recompile_limit()
-    compiled = torch.compile(own_code_object(model), backend=backend, dynamic=dynamic, fullgraph=fullgraph)
-    log.info("%d adapters in %d target modules", len(adapters), len(pool.targets))
-    runtime = dict(
-        max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs,
-        prefill_graph_tokens=prefill_graph_tokens,
-    )  # fmt: skip
-    cm = CompiledModel(model, backend, compiled, runtime)
-    # the model's own PEFT methods would inject layers every graph reads: they go through cm
-    peft_methods.guard(model, cm._load, cm.unload_adapter)
-    return cm
+    # flags and marks only: loop experts found, read and probed as transformers' experts are, and
+    # segment GEMMs' LoRA read as they compute; taken off again if the compile fails
+    marked = experts.mark_loop_experts(model) + experts_op.mark_segment_gemms(model)
+    try:
+        for name, source in adapters.items():
+            load(pool, model, name, source, group)
+        with sharding.one_outcome(group):  # a tensor-parallel model: every rank fails, or none does
+            modules = model_modules(model)
+            quantized = check_quantized(model, pool, modules)  # before the pool compares weights it cannot read
+            pool.register_modules(modules, complete=True)
+            _check_experts_gates(model, pool)
+        config = getattr(model, "config", None)
+        if quantized and quantized.experts and not quantized.kept_experts:
+            # grouped_mm cannot read quantised experts: fxlora::moe_lora runs their own GEMMs
+            experts_op.serve_quantized(model, quantized.method)
+            log.info("experts switched to fxlora::moe_lora on their quantised weights")
+        elif (
+            getattr(config, "_experts_implementation", None) in (None, "eager")
+            and any(experts.is_experts(m) and not experts.is_loop_experts(m) for m in model.modules())
+            and not (quantized and quantized.kept_experts)
+        ):
+            # the eager experts loop reads routing on the host and breaks the graph; this one traces.
+            # Switched after every check, so that a compile that fails leaves the model as it was.
+            model.set_experts_implementation("grouped_mm")
+            log.info("experts switched to the traceable grouped_mm implementation")
+        if served := experts_op.serve_loops(model):  # experts with no implementation to switch: the op is their forward
+            log.info("experts that loop over the routing compute by fxlora::moe_lora: %s", ", ".join(served))
+        if served := experts_op.serve_segment_gemms(model):
+            log.info("segment GEMMs that loop over their segments compute by one grouped GEMM: %s", ", ".join(served))
+        backend = Backend(pool, modules=ModuleTree(model), inner=inner)
+        # a call of a target outside the compiled graphs is seen, so one the model makes nowhere needs no LoRA
+        watch_calls(model, {fqn: t.module for fqn, t in pool.targets.items()})
+        if group is not None:
+            backend.notes.append(sharding.describe(group, [t.info.shard for t in pool.targets.values()]))
+        if quantized is not None:
+            backend.notes.append(quantized.describe())
+            log.info("%s", quantized.describe())
+        raise_recompile_limit()
+        compiled = torch.compile(own_code_object(model), backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+        log.info("%d adapters in %d target modules", len(adapters), len(pool.targets))
+        runtime = dict(
+            max_batch_size=max_batch_size, max_len=max_len, buckets=batch_buckets, cuda_graphs=cuda_graphs,
+            prefill_graph_tokens=prefill_graph_tokens,
+        )  # fmt: skip
+        cm = CompiledModel(model, backend, compiled, runtime)
+        # the model's own PEFT methods would inject layers every graph reads: they go through cm
+        peft_methods.guard(model, cm._load, cm.unload_adapter)
+        return cm
+    except BaseException:
+        experts.unmark(marked)
+        raise
 
 
 def load(pool: AdapterPool, model: torch.nn.Module, name: str, source: AdapterSource, group: object | None) -> None:

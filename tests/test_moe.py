@@ -463,4 +463,5 @@ def test_loop_experts_the_op_cannot_compute_are_refused_by_name():
     with pytest.raises(AdapterError, match=r"experts module 'model.layers.0.mlp.experts' is targeted .*its gate "
                        r"\(LongcatFlashExperts.forward, act_fn Sine\) is not one fxlora::moe_lora knows"):
         fxlora.compile(model, {"a": adapter}, max_loras=2, max_rank=4)
-    assert "forward" not in vars(experts_module)  # a refused compile leaves the experts' loop
+    assert "forward" not in vars(experts_module)  # a refused compile leaves the experts' loop ...
+    assert not any(hasattr(experts_module, flag) for flag in ("has_gate", "is_transposed"))  # ... and no flag

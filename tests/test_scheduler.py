@@ -50,7 +50,7 @@ def test_the_slot_whose_readers_end_soonest_drains_for_a_waiting_request():
         scheduler.add(seq)
     admitted, _ = scheduler.admit()
     assert admitted == [more_b]  # "a" drains: its reader ends within 4 tokens, "b"'s in 64
-    assert list(scheduler.waiting) == [waiting, more_a] and waiting.passes == more_a.passes == 1
+    assert list(scheduler.waiting) == [waiting, more_a] and (waiting.passes, more_a.passes) == (1, 0)
     short.generated = [7] * 4
     short.finish("length")
     scheduler.retire(short)  # "a"'s slot is free: the waiting request takes it, then "a" waits for one

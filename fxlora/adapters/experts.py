@@ -46,7 +46,8 @@ def is_experts(module: torch.nn.Module) -> bool:
 
 
 LOOP_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
-SEGMENTS = "_fxlora_segments"  # on a segment GEMM: the name of its weight
+SEGMENTS = "_fxlora_segments"  # set on a module proven to be a segment GEMM
+LAYOUT = "_fxlora_experts_layout"  # set on experts fxlora::moe_lora computes: the op's layout (its spec)
 
 
 def is_segment_gemm(module: torch.nn.Module) -> bool:
@@ -77,9 +78,10 @@ def segment_gemm_weight(module: torch.nn.Module) -> tuple[str, torch.nn.Paramete
 def is_loop_experts(module: torch.nn.Module) -> bool:
     """Experts ``transformers`` built without ``use_experts_implementation`` (whose wrapper
     keeps the class's own forward as ``__wrapped__``): a forward over :data:`LOOP_INPUTS` and
-    fused ``gate_up_proj (E', 2·I, H)`` and ``down_proj (E, H, I)`` parameters (or both
-    transposed). ``E' > E`` where routes past ``E`` go to parameter-free experts (LongCat-Flash's
-    identity experts); the probe proves what the forward computes before anything is served."""
+    fused ``gate_up_proj (E', 2·I, H)`` and ``down_proj (E, H, I)`` parameters, stored ``(E,
+    out, in)`` as PEFT reads a 3-D parameter of a module that does not say ``is_transposed``.
+    ``E' > E`` where routes past ``E`` go to parameter-free experts (LongCat-Flash's identity
+    experts); the probe proves what the forward computes before anything is served."""
     forward = getattr(type(module), "forward", None)
     if forward is None or hasattr(forward, "__wrapped__"):
         return False
@@ -87,35 +89,37 @@ def is_loop_experts(module: torch.nn.Module) -> bool:
         inputs = tuple(inspect.signature(forward).parameters)[1:4]
     except (TypeError, ValueError):
         return False
-    return inputs == LOOP_INPUTS and _loop_transposed(module) is not None
-
-
-def _loop_transposed(module: torch.nn.Module) -> bool | None:
-    """Whether a loop experts module's parameters are stored ``(E, in, out)``, read from the two
-    shapes, or None when they are not a fused up projection and a down projection."""
     up, down = (getattr(module, n, None) for n in ("gate_up_proj", "down_proj"))
-    if not all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in (up, down)):
-        return None
-    if up.shape[1] == 2 * down.shape[2] and up.shape[2] == down.shape[1]:
+    if inputs != LOOP_INPUTS or not all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in (up, down)):
         return False
-    if up.shape[2] == 2 * down.shape[1] and up.shape[1] == down.shape[2]:
-        return True
-    return None
+    return up.shape[1] == 2 * down.shape[2] and up.shape[2] == down.shape[1]
 
 
-def mark_loop_experts(model: torch.nn.Module) -> list[str]:
+def mark_loop_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Give each loop experts module of ``model`` (:func:`is_loop_experts`) the flags
     ``use_experts_implementation`` gives transformers' experts: a gate over concatenated halves
-    (the probe rejects any other), the layout read from the shapes, no bias. Returns their
-    names. The flags change nothing the module computes."""
+    (the probe rejects any other), weights stored ``(E, out, in)``, biases where it holds both.
+    Returns the modules marked; :func:`unmark` takes the flags off again. The flags change
+    nothing the module computes, nor how PEFT reads it."""
     marked = []
-    for name, module in model.named_modules():
+    for module in model.modules():
         if not is_experts(module) and is_loop_experts(module):
             module.has_gate, module.is_concatenated, module.has_post_expert_norm = True, True, False
             module.has_bias = all(isinstance(getattr(module, n, None), torch.nn.Parameter) for n in ("gate_up_proj_bias", "down_proj_bias"))
-            module.is_transposed = _loop_transposed(module)
-            marked.append(name)
+            module.is_transposed = False
+            marked.append(module)
     return marked
+
+
+MARKS = ("has_gate", "is_concatenated", "has_post_expert_norm", "has_bias", "is_transposed", SEGMENTS, LAYOUT, "forward")
+
+
+def unmark(modules: list[torch.nn.Module]) -> None:
+    """Take off what fxlora put on ``modules``: the flags of :func:`mark_loop_experts`, the
+    segment GEMMs' mark, and the layout and forward the compiler gave either."""
+    for module in modules:
+        for name in MARKS:
+            module.__dict__.pop(name, None)
 
 
 def up_name(module: torch.nn.Module) -> str:

@@ -1,5 +1,5 @@
-"""Experts computed by ``fxlora::moe_lora`` itself, with no adapter: an experts forward that
-traces, for experts none of transformers' implementations serves.
+"""Forwards that trace, for experts modules none of transformers' implementations serves:
+``fxlora::moe_lora`` itself with no adapter, or one grouped GEMM for a segment GEMM.
 
 - Quantised experts (:func:`serve_quantized`). transformers' ``grouped_mm`` and
   ``batched_mm`` experts read the stacked weights with ops a quantised tensor subclass may not
@@ -17,8 +17,8 @@ traces, for experts none of transformers' implementations serves.
 - Segment GEMMs (:func:`mark_segment_gemms`, :func:`serve_segment_gemms`): a module that
   multiplies each segment of its input's rows by one group of its 3-D weight, looping over
   the segments on the host (transformers 5.17's Aria, ``AriaGroupedExpertsGemm``), proven so
-  on a probe, gets ``fxlora::grouped_mm`` as its forward; the ``lora_parameters`` pass serves
-  its weight's LoRA.
+  on a probe, gets one grouped GEMM as its forward (:func:`fxlora.ops.grouped_mm.traceable_grouped_mm`);
+  the ``lora_parameters`` pass serves its weight's LoRA.
 
 The traced region of experts is then one op reading the experts' parameters, which the ``lora_moe`` pass
 serves as any other, the LoRA deltas added after each GEMM, before the gate and before the
@@ -31,6 +31,7 @@ against the module's own ``forward`` on a probe
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 
@@ -38,7 +39,8 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fxlora.adapters import experts
-from fxlora.compiler.experts_probe import LAYOUT, PROBE_RTOL, choose_layout, probe_like, prove_region
+from fxlora.adapters.experts import LAYOUT
+from fxlora.compiler.experts_probe import PROBE_RTOL, choose_layout, probe_like, prove_region, relative_error
 from fxlora.errors import NotServed, QuantizationError
 from fxlora.ops.grouped_mm import grouped_mm_reference, traceable_grouped_mm
 from fxlora.ops.moe_lora import serve_weights_of
@@ -107,42 +109,53 @@ def serve_loops(model: torch.nn.Module) -> list[str]:
     return served
 
 
-def mark_segment_gemms(model: torch.nn.Module) -> list[str]:
+def mark_segment_gemms(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Mark each module of ``model`` that computes as a segment GEMM
     (:func:`fxlora.adapters.experts.is_segment_gemm`): its forward, on a probe of random rows
     in segments of several lengths (none empty too), against ``x[segment g] @ weight[g]``.
-    Returns their names. The mark changes nothing the module computes; the pool reads its
-    weight's LoRA as the module computes with it."""
+    Returns the modules marked (:func:`fxlora.adapters.experts.unmark` takes the mark off). The
+    mark changes nothing the module computes; the pool reads its weight's LoRA as the module
+    computes with it."""
     marked = []
-    for fqn, module in model.named_modules():
+    for module in model.modules():
         found = experts.segment_gemm_weight(module)
         if found is not None and not experts.is_segment_gemm(module) and _computes_segments(module, found[1]):
-            setattr(module, experts.SEGMENTS, found[0])
-            marked.append(fqn)
+            setattr(module, experts.SEGMENTS, True)
+            marked.append(module)
     return marked
 
 
 def _computes_segments(module: torch.nn.Module, weight: torch.Tensor) -> bool:
+    """Whether the module's forward, and :func:`segments_forward` in its place, both give
+    ``x[segment g] @ weight[g]`` on two probes: every segment of 1 to 3 rows, then the same
+    with the first segment empty."""
     groups, fin, _ = weight.shape
     gen = torch.Generator().manual_seed(0)
-    counts = torch.arange(groups) % 3  # 0, 1, 2 rows by turns
-    x = torch.randn(int(counts.sum()), fin, generator=gen).to(weight.device, weight.dtype)
-    counts = counts.to(weight.device)
-    with torch.no_grad():
-        try:
-            got = module(x, counts)
-        except Exception:  # noqa: BLE001 - a module that does not take (rows, counts) is no segment GEMM
-            return False
-        want = grouped_mm_reference(x, weight, torch.cumsum(counts, 0, dtype=torch.int32))
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape or not got.is_floating_point():
-        return False
-    error = (got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)
-    return bool(error <= PROBE_RTOL.get(weight.dtype, PROBE_RTOL[torch.float16]))
+    full = torch.arange(groups) % 3 + 1
+    for counts in (full, torch.cat([full.new_zeros(1), full[1:]])):
+        if not counts.sum():
+            continue
+        x = torch.randn(int(counts.sum()), fin, generator=gen).to(weight.device, weight.dtype)
+        counts = counts.to(weight.device)
+        with torch.no_grad():
+            want = grouped_mm_reference(x, weight, torch.cumsum(counts, 0, dtype=torch.int32))
+            for run in (module, functools.partial(segments_forward, module)):
+                try:
+                    got = run(x, counts)
+                except Exception:  # noqa: BLE001 - a module that does not take (rows, counts) is no segment GEMM
+                    return False
+                if not isinstance(got, torch.Tensor) or got.shape != want.shape or relative_error(got, want) > _allowed(weight):
+                    return False
+    return True
+
+
+def _allowed(weight: torch.Tensor) -> float:
+    return PROBE_RTOL.get(weight.dtype, PROBE_RTOL[torch.float16])
 
 
 def segments_forward(self: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The forward of a segment GEMM: one grouped GEMM, with no read of the counts on the host."""
-    weight = getattr(self, getattr(self, experts.SEGMENTS))
+    weight = experts.segment_gemm_weight(self)[1]
     return traceable_grouped_mm(x, weight, torch.cumsum(counts, 0, dtype=torch.int32))
 
 

@@ -27,6 +27,7 @@ import dataclasses
 import torch
 
 from fxlora.adapters import experts
+from fxlora.adapters.experts import LAYOUT
 from fxlora.adapters.sharding import agree, local_tensor, process_group
 from fxlora.errors import NotServed
 from fxlora.ops.moe_lora import ExpertsLayout, apply_gate, local_routing
@@ -36,7 +37,6 @@ from fxlora.ops.moe_lora import ExpertsLayout, apply_gate, local_routing
 # activation or gate is off by percents, and the float64 gate check catches finer ones.
 PROBE_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
-LAYOUT = "_fxlora_experts_layout"  # the attribute holding the layout of experts the op computes (its spec)
 
 
 def choose_layout(module: torch.nn.Module) -> ExpertsLayout:
@@ -240,7 +240,8 @@ def _compare(module, layout, hidden, routes, up_lora, down_lora, mine) -> float 
     group = process_group(module)
     with torch.no_grad():
         try:
-            want = module(hidden, index, weights)
+            own = type(module).forward.__get__(module) if "forward" in vars(module) else module  # not what fxlora gave it
+            want = own(hidden, index, weights)
         except Exception as e:  # noqa: BLE001 - whatever the module's code raises, it cannot be checked
             want = f"its forward ({name}.forward) does not run on a probe: {type(e).__name__}: {e}"
         try:
@@ -262,6 +263,11 @@ def _compare(module, layout, hidden, routes, up_lora, down_lora, mine) -> float 
         return want if isinstance(want, str) else got
     if not isinstance(want, torch.Tensor) or want.shape != got.shape:
         return f"its forward ({name}.forward) does not return the routed sum fxlora::moe_lora computes"
+    return relative_error(got, want)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``|got - want| / |want|`` in float64 (0 where both are empty)."""
     return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 

@@ -54,6 +54,7 @@ class Region:
     graph: fx.GraphModule
     example_inputs: list[Any]
     compiled: Callable[..., Any] | None = None
+    symbols: list[Any] = field(default_factory=list)  # the traced values of the size symbols it reads, in key order
 
 
 @dataclass
@@ -214,7 +215,11 @@ class _Splitter:
         for run in built:
             outputs = [n for n in run.nodes if n in exported]
             region_gm, example_inputs, key = run.finish(outputs)
-            region = distinct.setdefault(key, Region(region_gm, example_inputs))
+            region = distinct.setdefault(key, Region(region_gm, example_inputs, symbols=run.symbols))
+            for mine, first in zip(run.symbols, region.symbols, strict=True):
+                # code compiled for the first run's sizes serves this run's while they stay equal:
+                # a guard, so that sizes that part later retrace rather than run it
+                torch._check(mine == first, lambda: "regions sharing code have sizes that differ")
             for n in outputs:
                 self.slot_of[n] = len(self.slot_of)
             steps.append(Step(region, [self.slot_of[n] for n in run.inputs], [self.slot_of[n] for n in outputs]))
@@ -239,6 +244,7 @@ class _Run:
             if symbol not in self.splitter.symbols:
                 raise _Unsplittable(f"symbol {symbol} in a region's input sizes is no input of the graph")
             self.read(self.splitter.symbols[symbol])
+        self.symbols = [self.splitter.value(self.splitter.symbols[s]) for s in symbols]  # their traced values
 
     def read(self, source: fx.Node) -> fx.Node:
         if source not in self.env:
@@ -270,7 +276,8 @@ class _Run:
         storages: dict[Any, int] = {}
         symbols: dict[Any, Any] = {}
         described = tuple(_describe(v, storages, symbols) for v in example_inputs)
-        return region_gm, example_inputs, (region_gm.code, described)
+        hints = tuple(v.node.hint for v in self.symbols)  # runs share code only where their sizes agree now
+        return region_gm, example_inputs, (region_gm.code, described, hints)
 
 
 def _no_tensor(arg: Any) -> None:
@@ -284,7 +291,8 @@ def _describe(value: Any, storages: dict[Any, int], symbols: dict[Any, Any]) -> 
     views (for a subclass, its layout and its inner tensors); for a scalar its expression.
     Size symbols are named by their first appearance among the region's inputs
     (:func:`_expression`): each layer's KV-cache pages have a block count of their own, which
-    Dynamo traces as a symbol of its own, and the layers' regions are still one."""
+    Dynamo traces as a symbol of its own, and the layers' regions are still one (the key holds
+    the symbols' current values, and sharing guards them equal)."""
     if isinstance(value, torch.Tensor):
         described: tuple = (
             type(value).__name__, value.dtype, str(value.device), value.requires_grad,

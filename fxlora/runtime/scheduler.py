@@ -73,9 +73,10 @@ class Scheduler:
             if not self.allocator.can_promise(need):
                 break
             self.waiting.popleft()
+            if draining is not None and seq.adapter_name == draining:  # its slot drains: it waits, uncounted
+                passed.append(seq)  # (the slot's readers end within their budgets; then it pages in as any other)
+                continue
             try:
-                if draining is not None and seq.adapter_name == draining:
-                    raise NoFreeSlot(f"adapter {draining!r}: its slot drains for a request waiting for one")
                 (seq.slot,), _ = self.pool.acquire([seq.adapter_name], stream=copy_stream, timeout=0)
             except NoFreeSlot:  # every slot is read by running requests
                 draining = draining or self._soonest_free(admitted)
