@@ -50,7 +50,6 @@ LoRA kernels stay calls.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -218,17 +217,14 @@ def moe_lora_composed(
     implementation, and what Inductor compiles in its place."""
     up, down = optional_weights(up_lora), optional_weights(down_lora)
     form = ExpertsLayout.parse(layout)
-    if form.identity:  # identity routes add w · x; the experts see them as expert 0 with weight 0
-        routed = top_k_index < down_weight.shape[0]
-        identity = torch.where(routed, 0.0, top_k_weights).sum(-1, keepdim=True) * hidden
-        top_k_index, top_k_weights = torch.where(routed, top_k_index, 0), torch.where(routed, top_k_weights, 0.0)
-        kept = dataclasses.replace(form, identity=False).spec
-        out = moe_lora_composed(hidden, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, up_lora, down_lora, token_slot, kept)
-        return out + identity.to(out.dtype)
     transposed = form.transposed
     tokens, top_k = top_k_index.shape
+    routed = down_weight.shape[0]  # the experts with parameters; past them, identity experts
     experts = up_weight.shape[0]
     expert_ids = top_k_index.reshape(-1)
+    if form.identity:  # every identity route as the first expert past the routed: sorted last, computed by none
+        expert_ids = expert_ids.clamp(max=routed)
+        experts, up_weight = routed + 1, up_weight[:routed]
     # the pairs grouped by expert: batch_info's stable sort with the experts as its slots (on
     # CUDA one launch, where torch.sort of a few hundred keys takes a radix sort of ~27 µs)
     order = torch.ops.fxlora.batch_info(expert_ids.to(torch.int32), expert_ids, 0, experts)[1].long()
@@ -237,14 +233,21 @@ def moe_lora_composed(
     x = hidden.index_select(0, pair_token).to(up_weight.dtype)
     counts = torch.zeros(experts, dtype=torch.int32, device=hidden.device)
     counts = counts.scatter_add(0, expert_ids.long(), torch.ones_like(expert_ids, dtype=torch.int32))
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)[:routed]  # identity pairs: past the last offset
     pair_slot = token_slot.index_select(0, pair_token) if up or down else None
+    if form.identity:
+        real = pair_expert < routed
+        pair_expert = pair_expert.clamp(max=routed - 1)
+        pair_slot = None if pair_slot is None else torch.where(real, pair_slot, -1)
     h = _grouped_linear(x, up_weight, offsets, up_bias, pair_expert, transposed)
     pairs = add_pair_deltas(h, x, up, pair_slot, pair_expert)
     g = apply_gate(h, form)
-    o = _grouped_linear(g, down_weight, offsets[: down_weight.shape[0]], down_bias, pair_expert, transposed)
+    o = _grouped_linear(g, down_weight, offsets, down_bias, pair_expert, transposed)
     add_pair_deltas(o, g, down, pair_slot, pair_expert, pairs)
-    o = o * top_k_weights.reshape(-1)[order, None].to(o.dtype)
+    w = top_k_weights.reshape(-1)
+    o = o * w[order, None].to(o.dtype)
+    if form.identity:  # an identity pair adds its weighted input; its rows of o were never computed
+        o = torch.where(real[:, None], o, x.to(o.dtype) * w[order, None].to(o.dtype))
     weighted = torch.empty_like(o).index_copy(0, order, o)  # back to (token, k) order
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
