@@ -240,7 +240,8 @@ def _compare(module, layout, hidden, routes, up_lora, down_lora, mine) -> float 
     group = process_group(module)
     with torch.no_grad():
         try:
-            own = type(module).forward.__get__(module) if "forward" in vars(module) else module  # not what fxlora gave it
+            # loop experts: their own loop, not the op fxlora gave them; others as called (TP's wrappers included)
+            own = type(module).forward.__get__(module) if experts.is_loop_experts(module) else module
             want = own(hidden, index, weights)
         except Exception as e:  # noqa: BLE001 - whatever the module's code raises, it cannot be checked
             want = f"its forward ({name}.forward) does not run on a probe: {type(e).__name__}: {e}"
