@@ -2,7 +2,7 @@
 model captured by hand in one CUDA graph, PEFT eager, and the bytes floor, side by side in
 one process.
 
-    python benchmarks/decode.py [--model llama|qwen3_moe] [--out results.json] [--quick | --batches 1,128] [--max-loras N]
+    python benchmarks/decode.py [--model llama|llama8b|qwen3_moe] [--out results.json] [--quick | --batches 1,128] [--max-loras N]
 
 ``--max-loras``: the pool's slots, when it should hold more than the adapters the batch uses.
 
@@ -219,7 +219,7 @@ def main() -> None:
     parser.add_argument("--out", default="decode.json")
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
     parser.add_argument("--batches", help="batch sizes, comma-separated (default: the model's)")
-    parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--model", choices=("llama", "llama8b", "qwen3_moe"), default="llama")
     parser.add_argument(
         "--max-loras", type=int, default=0, help="pool slots (default: the most adapters a row of the table uses)"
     )

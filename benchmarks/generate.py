@@ -3,13 +3,15 @@
 a process of its own, side by side in one call: one after the other, or with ``--gpus N`` up to
 N at once, each on a GPU of its own (the same cards of one host; the systems share its CPUs).
 
-    python benchmarks/generate.py [--model llama|qwen3_moe] [--batches 1,32,128 | --quick] [--adapters 4,16]
-                                  [--quant fp8] [--gpus N] [--out results.json]
+    python benchmarks/generate.py [--model llama|llama8b|qwen3_moe] [--batches 1,32,128 | --quick] [--adapters 4,16]
+                                  [--quant fp8] [--gpus N] [--stream] [--out results.json]
 
 Systems: ``fxlora`` (``fxlora.compile`` with ``max_batch_size`` the largest batch: Inductor
 inside both graphs, CUDA graphs per batch bucket; one process serves both variants, and
 ``lora`` once for each count of ``--adapters``, the rows cycling over that many adapters of
-one pool);
+one pool); with ``--stream``, fxlora's calls are ``cm.generate_batch`` over the rows' prompts
+(the request stream's engine: paged KV cache, its own decode and prefill graphs; ``setup_s``
+includes building it), the rows all admitted at once;
 ``transformers``: the base model's own ``generate(cache_implementation="static")``, which
 compiles its forward with ``torch.compile`` and captures it; ``peft``: a ``PeftModel`` with
 the same adapters (the largest count) serving a mixed batch through ``adapter_names`` (eager; a few decode
@@ -84,7 +86,9 @@ def quantize(model: torch.nn.Module, quant: str) -> None:
         model.set_experts_implementation("grouped_mm")  # the one transformers has that reads float8 experts
 
 
-def run_system(system: str, model_name: str, batches: list[int], counts: list[int], quant: str = "none") -> dict:
+def run_system(
+    system: str, model_name: str, batches: list[int], counts: list[int], quant: str = "none", stream: bool = False
+) -> dict:
     from decode import make_adapters, spec
 
     from fxlora.testing.models import fill_zero_weights
@@ -107,13 +111,21 @@ def run_system(system: str, model_name: str, batches: list[int], counts: list[in
         cm = fxlora.compile(model, adapters, max_loras=count, max_rank=16, max_batch_size=max(batches),
                             max_len=PROMPT + NEW)  # fmt: skip
         compiled = time.perf_counter()
-        runtime = cm.prepare()  # the decode step traced, compiled, run once per bucket and variant, captured
+        if stream:  # the request stream's engine: paged cache, decode graphs traced, compiled and captured
+            cm._requests({}, None)
+            runtime = cm._engine[1].runner
+        else:
+            runtime = cm.prepare()  # the decode step traced, compiled, run once per bucket and variant, captured
         prepared, captured = time.perf_counter(), runtime.graphs.capture_seconds
         for b in batches:
             names = {f"lora{k}": [f"ad{i % k}" for i in range(b)] for k in counts} | {"nolora": None}
+            inputs = prompts[b].tolist()
             for variant, adapter_names in names.items():
                 # no end token, as min_new_tokens=n makes it for transformers and PEFT: every call runs n steps
-                call = lambda n: cm.generate(prompts[b], adapter_names=adapter_names, max_new_tokens=n, eos_token_id=())  # noqa: B023, E731
+                if stream:
+                    call = lambda n: cm.generate_batch(inputs, adapter_names, max_new_tokens=n, eos_token_id=(), progress_bar=False)  # noqa: B023, E731
+                else:
+                    call = lambda n: cm.generate(prompts[b], adapter_names=adapter_names, max_new_tokens=n, eos_token_id=())  # noqa: B023, E731
                 first = time.perf_counter()
                 call(NEW)
                 # a first call that compiles (a new prefill shape Dynamo cannot share) shows here
@@ -167,13 +179,14 @@ def run_system(system: str, model_name: str, batches: list[int], counts: list[in
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--model", choices=("llama", "llama8b", "qwen3_moe"), default="llama")
     parser.add_argument("--batches", default="1,32,128")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 32")
     parser.add_argument("--systems", default="fxlora,transformers,peft")
     parser.add_argument("--adapters", default=str(ADAPTERS), help="adapters the lora batches cycle over, e.g. 4,16")
     parser.add_argument("--quant", choices=("none", "fp8"), default="none")
     parser.add_argument("--gpus", type=int, default=1, help="run up to this many systems at once, one per GPU")
+    parser.add_argument("--stream", action="store_true", help="fxlora through generate_batch (the request stream)")
     parser.add_argument("--out", default="generate.json")
     parser.add_argument("--system", help=argparse.SUPPRESS)  # the child process: one system
     args = parser.parse_args()
@@ -183,7 +196,7 @@ def main() -> None:
     counts = [int(k) for k in args.adapters.split(",")]
     if args.system:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.system} %(name)s: %(message)s", stream=sys.stderr)
-        print(json.dumps(run_system(args.system, args.model, batches, counts, args.quant)))
+        print(json.dumps(run_system(args.system, args.model, batches, counts, args.quant, args.stream)))
         return
     # with --gpus N, up to N systems run at once, each on a GPU of its own
     if args.gpus < 1:
@@ -197,7 +210,7 @@ def main() -> None:
         try:
             for device, system in zip(devices, names[wave : wave + len(devices)], strict=False):
                 cmd = [sys.executable, __file__, "--model", args.model, "--batches", args.batches, "--system", system,
-                       "--adapters", args.adapters, "--quant", args.quant]  # fmt: skip
+                       "--adapters", args.adapters, "--quant", args.quant, *(["--stream"] if args.stream else [])]  # fmt: skip
                 env = os.environ | ({"CUDA_VISIBLE_DEVICES": device} if args.gpus > 1 else {})
                 # the child's log (fxlora's setup stages) goes straight to this process's stderr
                 procs[system] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
@@ -239,6 +252,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
         "prompt": PROMPT, "new_tokens": NEW, "adapters": args.adapters, "quant": args.quant, "gpus": args.gpus,
+        "stream": args.stream,
     }  # fmt: skip
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "systems": systems}, f, indent=1)

@@ -5,7 +5,7 @@ call making one token, or with ``--stream`` a ``generate_batch`` call; a short p
 CUDA graph, none with ``--prefill-graph-tokens 0``), with the host's time too, by operator and
 by Python function.
 
-    python benchmarks/profile_step.py [--model llama|qwen3_moe] [--batch 128] [--inner inductor,eager]
+    python benchmarks/profile_step.py [--model llama|llama8b|qwen3_moe] [--batch 128] [--inner inductor,eager]
                                       [--prefill 128 [--stream] [--prefill-graph-tokens 0]]
                                       [--quant none|fp8] [--trace T.json] [--out F.json]
 
@@ -90,7 +90,7 @@ def print_table(title: str, table: dict[str, list[float]], top: int = 25) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--model", choices=("llama", "llama8b", "qwen3_moe"), default="llama")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--inner", default="inductor,eager")
     parser.add_argument("--prefill", type=int, help="profile a prefill of prompts this long instead")

@@ -1,7 +1,7 @@
 """Where fxlora's setup goes: the setup of ``generate.py`` (``fxlora.compile``, ``prepare()``
 and the first call, which compiles the prefill graph), split by what the time is spent on.
 
-    python benchmarks/setup_time.py [--model llama|qwen3_moe] [--quant none|fp8] [--out F.json]
+    python benchmarks/setup_time.py [--model llama|llama8b|qwen3_moe] [--quant none|fp8] [--out F.json]
 
 Measured by wrapping, for this process only: each Inductor compile of a graph variant (and the
 first run of what it returns), Triton's compiler (the compilations this process does itself:
@@ -100,7 +100,7 @@ class Spies:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--model", choices=("llama", "llama8b", "qwen3_moe"), default="llama")
     parser.add_argument("--quant", choices=("none", "fp8"), default="none")
     parser.add_argument("--max-batch-size", type=int, default=128)
     parser.add_argument("--out", default="setup_time.json")
