@@ -5,13 +5,13 @@ call making one token, or with ``--stream`` a ``generate_batch`` call; a short p
 CUDA graph, none with ``--prefill-graph-tokens 0``), with the host's time too, by operator and
 by Python function.
 
-    python benchmarks/profile_step.py [--model llama|llama8b|qwen3_moe] [--batch 128] [--inner inductor,eager]
+    python benchmarks/profile_step.py [--model llama|llama8b|qwen3_moe] [--batch 128 | --batch 1,128] [--inner inductor,eager]
                                       [--prefill 128 [--stream] [--prefill-graph-tokens 0]]
                                       [--quant none|fp8] [--trace T.json] [--out F.json]
 
 The model, adapters and step are ``decode.py``'s (bf16, random weights, 16 rank-16 adapters
 round-robin over the rows, context 512; with ``--quant fp8``, on ``generate.py``'s FP8 base),
-compiled with one batch bucket, ``--batch``. Each graph is replayed ``REPLAYS`` times under
+compiled with one batch bucket per ``--batch`` (several: decode steps only). Each graph is replayed ``REPLAYS`` times under
 the profiler; a kernel's time is its total over them divided by ``REPLAYS``. The printed table
 groups kernels by name, largest first; the difference table lists what ``lora`` adds to
 ``nolora`` under the same inner compiler.
@@ -88,20 +88,47 @@ def print_table(title: str, table: dict[str, list[float]], top: int = 25) -> Non
         print(f"{t:8.1f} {t / total:6.1%} {n:6.0f}  {name[:110]}")
 
 
+def profile_batch(cm, rt, args, inner: str, batch: int, names: list[str], vocab: int, setup: float, results: dict) -> None:
+    """Both variants' kernels at ``batch`` rows, and what ``lora`` adds, into ``results``."""
+    prompts = torch.randint(3, vocab, (batch, args.prefill or 1), device="cuda")
+    for variant in ("nolora", "lora"):
+        if args.stream:
+            step = functools.partial(cm.generate_batch, prompts.tolist(), names if variant == "lora" else None,
+                                     max_new_tokens=1, eos_token_id=(), progress_bar=False)  # fmt: skip
+            what = f"stream prefill of {batch} x {args.prefill} tokens"
+        elif args.prefill:
+            step = functools.partial(cm.generate, prompts, adapter_names=names if variant == "lora" else None,
+                                     max_new_tokens=1, eos_token_id=())  # fmt: skip
+            what = f"prefill of {batch} x {args.prefill} tokens"
+        else:
+            step, what = rt.graphs.graphs[(variant, batch)][0].replay, f"batch {batch}"
+        trace = f"{args.trace.removesuffix('.json')}-{inner}-{variant}-{batch}.json" if args.trace else None
+        table, replay = kernels(step, host=bool(args.prefill), trace=trace), us(step)
+        results[f"{inner}/{variant}/{batch}"] = {"replay_us": replay, "setup_s": setup, "kernels": table}
+        print_table(f"{inner} {variant}, {what} ({replay:.0f} us a call)", table)
+    nolora, lora = results[f"{inner}/nolora/{batch}"]["kernels"], results[f"{inner}/lora/{batch}"]["kernels"]
+    none = [0.0, 0.0]
+    added = {k: [a - b for a, b in zip(lora.get(k, none), nolora.get(k, none))] for k in {*lora, *nolora}}
+    print_table(f"{inner}, batch {batch}: lora minus nolora", {k: v for k, v in added.items() if abs(v[0]) > 0.5}, top=40)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=("llama", "llama8b", "qwen3_moe"), default="llama")
-    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--batch", default="128", help="rows; decode steps take several, comma-separated")
     parser.add_argument("--inner", default="inductor,eager")
     parser.add_argument("--prefill", type=int, help="profile a prefill of prompts this long instead")
     parser.add_argument("--stream", action="store_true", help="the prefill of the request stream (generate_batch)")
     parser.add_argument("--prefill-graph-tokens", type=int, help="fxlora.compile's prefill_graph_tokens (0: eager prefills)")
-    parser.add_argument("--trace", help="write each profile as a Chrome trace with Python stacks: F-<inner>-<variant>.json")
+    parser.add_argument("--trace", help="write each profile as a Chrome trace with Python stacks: F-<inner>-<variant>-<batch>.json")
     parser.add_argument("--quant", choices=("none", "fp8"), default="none")
     parser.add_argument("--out", default="profile_step.json")
     args = parser.parse_args()
     if (args.stream or args.prefill_graph_tokens is not None) and not args.prefill:
         parser.error("--stream and --prefill-graph-tokens profile a prefill: give --prefill N")
+    batches = [int(b) for b in args.batch.split(",")]
+    if args.prefill and len(batches) > 1:
+        parser.error("a prefill profile takes one --batch")
     sp = spec(args.model)
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialised there: the CPU takes over a minute for the MoE's experts
@@ -109,13 +136,13 @@ def main() -> None:
     fill_zero_weights(model, 0.02)
     adapters = make_adapters(sp, ADAPTERS)  # from the unquantised weights' shapes
     quantize(model, args.quant)
-    names = [f"ad{i % ADAPTERS}" for i in range(args.batch)]
+    names = [f"ad{i % ADAPTERS}" for i in range(max(batches))]
     results = {}
     for inner in args.inner.split(","):
         start = time.perf_counter()
         cm = fxlora.compile(
-            model, adapters, max_loras=ADAPTERS, max_rank=RANK, max_batch_size=args.batch,
-            max_len=MAX_LEN, batch_buckets=[args.batch], inner=inner,
+            model, adapters, max_loras=ADAPTERS, max_rank=RANK, max_batch_size=max(batches),
+            max_len=MAX_LEN, batch_buckets=batches, inner=inner,
             **({} if args.prefill_graph_tokens is None else {"prefill_graph_tokens": args.prefill_graph_tokens}),
         )  # fmt: skip
         with torch.no_grad():
@@ -125,33 +152,15 @@ def main() -> None:
                 rt.ids.random_(3, sp.config.vocab_size)
                 at_context(rt)
                 rt.slot_ids.copy_(torch.tensor(cm.pool.slot_ids(names), dtype=torch.int32))
-            prompts = torch.randint(3, sp.config.vocab_size, (args.batch, args.prefill or 1), device="cuda")
-            for variant in ("nolora", "lora"):
-                if args.stream:
-                    step = functools.partial(cm.generate_batch, prompts.tolist(), names if variant == "lora" else None,
-                                             max_new_tokens=1, eos_token_id=(), progress_bar=False)  # fmt: skip
-                    what = f"stream prefill of {args.batch} x {args.prefill} tokens"
-                elif args.prefill:
-                    step = functools.partial(cm.generate, prompts, adapter_names=names if variant == "lora" else None,
-                                             max_new_tokens=1, eos_token_id=())  # fmt: skip
-                    what = f"prefill of {args.batch} x {args.prefill} tokens"
-                else:
-                    step, what = rt.graphs.graphs[(variant, args.batch)][0].replay, f"batch {args.batch}"
-                trace = f"{args.trace.removesuffix('.json')}-{inner}-{variant}.json" if args.trace else None
-                table, replay = kernels(step, host=bool(args.prefill), trace=trace), us(step)
-                results[f"{inner}/{variant}"] = {"replay_us": replay, "setup_s": setup, "kernels": table}
-                print_table(f"{inner} {variant}, {what} ({replay:.0f} us a call)", table)
-        nolora, lora = results[f"{inner}/nolora"]["kernels"], results[f"{inner}/lora"]["kernels"]
-        none = [0.0, 0.0]
-        added = {k: [a - b for a, b in zip(lora.get(k, none), nolora.get(k, none))] for k in {*lora, *nolora}}
-        print_table(f"{inner}: lora minus nolora", {k: v for k, v in added.items() if abs(v[0]) > 0.5}, top=40)
+            for batch in batches:
+                profile_batch(cm, rt, args, inner, batch, names[:batch], sp.config.vocab_size, setup, results)
         del rt, cm
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     meta = {
         **environment(),
         "model": args.model,
-        "batch": args.batch,
+        "batches": batches,
         "prefill": args.prefill,
         "stream": args.stream,
         "adapters": ADAPTERS,
