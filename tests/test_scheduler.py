@@ -1,7 +1,6 @@
 """The scheduler's admission with adapters: when every GPU slot is read by running requests, a
-request waiting for one passes the turn to requests whose adapters are in slots, and for each
-adapter waiting (up to half the slots) the slot whose readers end soonest admits no new reader,
-so that it comes free for the waiting requests."""
+request waiting for one passes the turn to requests whose adapters are in slots, and the slot
+whose readers end soonest admits no new reader, so that it comes free for the waiting request."""
 
 from fxlora.errors import NoFreeSlot
 from fxlora.runtime.block_allocator import BlockAllocator
@@ -15,7 +14,6 @@ class Slots:
 
     def __init__(self, count: int):
         self.count, self.slot_of, self.pins = count, {}, {}
-        self.max_loras = count
 
     def acquire(self, names, stream=None, timeout=None):
         (name,) = names
@@ -72,26 +70,3 @@ def test_a_request_passed_over_too_often_holds_back_those_behind_it():
     scheduler.add(behind)
     assert scheduler.admit() == ([], [])
     assert list(scheduler.waiting) == [waiting, behind]
-
-
-def test_a_slot_drains_for_each_adapter_waiting_up_to_half_the_slots():
-    scheduler = Scheduler(BlockAllocator(256, 16), Slots(4), max_rows=16, max_prefill_tokens=1000)
-    readers = [request(i, name, max_new=n) for i, (name, n) in enumerate(zip("abcd", (64, 4, 8, 32)))]
-    for seq in readers:
-        scheduler.add(seq)
-    assert scheduler.admit() == (readers, [])
-    # three adapters wait for a slot: two slots drain ("b" and "c", whose readers end soonest), not three
-    waiting = [request(4, "x"), request(5, "y"), request(6, "z")]
-    more = [request(7 + i, name) for i, name in enumerate("abcd")]
-    for seq in (*waiting, *more):
-        scheduler.add(seq)
-    admitted, _ = scheduler.admit()
-    assert admitted == [more[0], more[3]]
-    assert list(scheduler.waiting) == [*waiting, more[1], more[2]]
-    assert [seq.passes for seq in scheduler.waiting] == [1, 1, 1, 0, 0]
-    for seq in readers[1:3]:  # "b" and "c" end: the first two waiting requests take their slots
-        seq.generated = [7] * seq.decoding.max_new_tokens
-        seq.finish("length")
-        scheduler.retire(seq)
-    admitted, _ = scheduler.admit()
-    assert admitted[:2] == waiting[:2]

@@ -12,10 +12,10 @@ request waits longer than the running ones take to free what it needs. The sched
 adapters: a request whose adapter is not in a GPU slot gets one (a free slot, else the least
 recently used one no running request reads; the copy overlaps the running decode), and when
 every slot is read by running requests, the requests behind it whose adapters are in slots may
-go first, for a bounded number of turns. Meanwhile a slot drains for each adapter waiting for
-one (up to half the slots): the slots whose running readers end soonest (by the new tokens
-they may still make) admit no new reader, so that they come free for the waiting requests, not
-only once every slot's readers happen to end together.
+go first, for a bounded number of turns. Meanwhile one slot drains for it: the one whose
+running readers end soonest (by the new tokens they may still make) admits no new reader, so
+that it comes free for the waiting request, not only once every slot's readers happen to end
+together.
 """
 
 from __future__ import annotations
@@ -30,9 +30,6 @@ from fxlora.runtime.sequence import Sequence, Status
 # turns a request whose adapter finds no free GPU slot may be passed over by requests whose
 # adapters are in slots (each turn a window of decode steps): its wait stays bounded
 ADAPTER_PASSES = 32
-# the most of the GPU slots that drain at once for requests waiting for one (one slot for each
-# adapter waiting): the rest keep admitting readers of the adapters they hold
-DRAINING_SHARE = 0.5
 
 
 class Scheduler:
@@ -67,8 +64,7 @@ class Scheduler:
 
     def _admit(self, copy_stream: object, admitted: list[Sequence], failed: list[Sequence], passed: list[Sequence]) -> None:
         tokens = 0
-        wanting: set[str] = set()  # adapters waiting for a GPU slot this turn
-        draining: list[str] = []  # adapters whose slots admit no new reader: one per adapter wanting a slot
+        draining = None  # the adapter whose slot admits no new reader, for a request waiting for a slot
         while self.waiting and len(self.running) + len(admitted) < self.max_rows:
             seq = self.waiting[0]
             need = blocks_for(seq.max_length, self.allocator.block_size)
@@ -77,15 +73,13 @@ class Scheduler:
             if not self.allocator.can_promise(need):
                 break
             self.waiting.popleft()
-            if seq.adapter_name in draining:  # its slot drains: it waits, uncounted
+            if draining is not None and seq.adapter_name == draining:  # its slot drains: it waits, uncounted
                 passed.append(seq)  # (the slot's readers end within their budgets; then it pages in as any other)
                 continue
             try:
                 (seq.slot,), _ = self.pool.acquire([seq.adapter_name], stream=copy_stream, timeout=0)
             except NoFreeSlot:  # every slot is read by running requests
-                if seq.adapter_name not in wanting:
-                    wanting.add(seq.adapter_name)
-                    self._drain_another(admitted, draining)
+                draining = draining or self._soonest_free(admitted)
                 if seq.passes >= ADAPTER_PASSES:
                     self.waiting.appendleft(seq)
                     break  # its wait is over: the requests behind it wait for it
@@ -102,18 +96,15 @@ class Scheduler:
             tokens += len(seq.prompt_ids)
             admitted.append(seq)
 
-    def _drain_another(self, admitted: list[Sequence], draining: list[str]) -> None:
-        """Add to ``draining`` the adapter, not yet in it, whose running readers may end
-        soonest: the fewest new tokens the longest of them may still make (a reader admitted
-        this turn, its whole budget). At most :data:`DRAINING_SHARE` of the slots drain at
-        once, at least one: the others keep admitting readers."""
+    def _soonest_free(self, admitted: list[Sequence]) -> str | None:
+        """The adapter whose running readers may end soonest: the fewest new tokens the
+        longest of them may still make (a reader admitted this turn, its whole budget)."""
         left: dict[str, int] = {}
         for seq in (*self.running, *admitted):
-            if seq.slot not in (None, NO_ADAPTER) and seq.adapter_name not in draining:
+            if seq.slot not in (None, NO_ADAPTER):
                 budget = seq.decoding.max_new_tokens - len(seq.generated) - seq.unread
                 left[seq.adapter_name] = max(left.get(seq.adapter_name, 0), budget)
-        if left and len(draining) < max(1, int(self.pool.max_loras * DRAINING_SHARE)):
-            draining.append(min(left, key=left.__getitem__))
+        return min(left, key=left.__getitem__) if left else None
 
     def cancel_waiting(self, request_ids: set[str]) -> list[Sequence]:
         """End the waiting requests of ``request_ids`` now."""
