@@ -1,13 +1,15 @@
 """Sweep the LoRA kernels' launch parameters on a few shape classes and print the best.
 
-    python benchmarks/lora_tune.py [sgmv] [bgmv] [switch] [in_context] [expand_in_context]
+    python benchmarks/lora_tune.py [sgmv] [bgmv] [switch] [in_context] [expand_in_context] [segmented_expand_in_context]
 
 Times each kernel alone inside a CUDA graph (median, microseconds), so the entries of the
 launch table (``fxlora/kernels/launch_table.py``) for this device can be chosen from
 measurements. ``switch`` times the whole op as ``lora_linear`` runs it on CUDA with
 either family's expand, to place the token count where one hands over to the other;
 ``in_context`` the shrink's parameters inside that op, where it shares SMs with the GEMM;
-``expand_in_context`` the expands of both families right after the GEMM, at decode shapes.
+``expand_in_context`` the expands of both families right after the GEMM, at decode shapes;
+``segmented_expand_in_context`` the segmented expand's parameters there, at the 8B model's
+shapes, each layer's factors read from HBM as a model's are.
 """
 
 from __future__ import annotations
@@ -223,6 +225,43 @@ def expand_in_context_case(tokens, adapters, widths) -> None:
     best("GEMM + per-token expand", runs, per=len(copies))
 
 
+def segmented_expand_in_context() -> None:
+    """The segmented expand's launch parameters right after the GEMM it updates, weights and
+    factors read from HBM (one copy of each per op, as each layer of a model has its own): the
+    8B model's q/k/v, gate/up and o (K = 4096), 16 adapters, at the decode sizes it serves."""
+    for widths, tokens in itertools.product(((14336, 14336), (4096, 1024, 1024), (4096,)), (128, 32)):
+        segmented_expand_in_context_case(tokens, 16, widths)
+
+
+def segmented_expand_in_context_case(tokens, adapters, widths) -> None:
+    x, _, _, b, scaling, ranks, (slot, order, start, length, seg_slot), _, _ = _op_parts(tokens, adapters, 16, widths)
+    v = torch.randn(tokens, len(widths) * 16, device="cuda")
+    w = torch.randn(sum(widths), 4096, device="cuda").bfloat16()
+    copies = [(x.clone(), w.clone(), b.clone()) for _ in range(-(-(400 << 20) // (w.nbytes + b.nbytes)))]
+    sliced = widths if len(widths) > 1 else None
+
+    def after_gemm(cfg):
+        def run():
+            for cx, cw, cb in copies:
+                y = torch.nn.functional.linear(cx, cw)
+                sgmv.lora_expand(y, v, cb, scaling, ranks, order, start, length, seg_slot, sliced, cfg)
+
+        return run
+
+    base = us(lambda: [torch.nn.functional.linear(cx, cw) for cx, cw, _ in copies]) / len(copies)
+    table = sgmv.expand_config(tokens, 16, min(tokens, adapters), len(widths), x.device)
+    print(
+        f"T={tokens} adapters={adapters} widths={widths} base {base:.1f}us, "
+        f"+ table's segmented expand {us(after_gemm(table)) / len(copies) - base:.1f}us {table}", flush=True,
+    )
+    runs = [
+        (cfg, after_gemm(cfg))
+        for bn, tiles, warps in itertools.product((64, 128, 256), (1, 2, 4, 8), (4,))
+        for cfg in [sgmv.ExpandConfig(16, bn, warps, tiles=tiles, stages=2, rows_last=table.rows_last)]
+    ]
+    best("GEMM + segmented expand", runs, per=len(copies))
+
+
 def switch_case(tokens, adapters, rank) -> None:
     x, w, a, b, scaling, ranks, (slot, order, start, length, seg_slot), ws, op = _op_parts(tokens, adapters, rank)
     shrink = lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, seg_slot, out=ws)  # noqa: E731
@@ -238,7 +277,7 @@ def switch_case(tokens, adapters, rank) -> None:
 if __name__ == "__main__":
     tunes = {
         "sgmv": tune_sgmv, "bgmv": tune_bgmv, "switch": switch, "in_context": in_context,
-        "expand_in_context": expand_in_context,
+        "expand_in_context": expand_in_context, "segmented_expand_in_context": segmented_expand_in_context,
     }  # fmt: skip
     for part in sys.argv[1:] or ["sgmv", "bgmv", "switch"]:
         tunes[part]()
