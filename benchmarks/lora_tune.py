@@ -89,7 +89,7 @@ def sgmv_case(tokens, k, widths, rank, adapters) -> None:
     print(
         "  default",
         sgmv.shrink_config(tokens, k, ranks_cols, device=x.device),
-        sgmv.expand_config(tokens, rank, adapters, slices, device=x.device),
+        sgmv.expand_config(tokens, rank, adapters, slices, max(widths), device=x.device),
     )
     shrink = [
         (cfg, lambda cfg=cfg: sgmv.lora_shrink(x, a, ranks, order, start, length, seg_slot, slices, config=cfg))
@@ -249,7 +249,7 @@ def segmented_expand_in_context_case(tokens, adapters, widths) -> None:
         return run
 
     base = us(lambda: [torch.nn.functional.linear(cx, cw) for cx, cw, _ in copies]) / len(copies)
-    table = sgmv.expand_config(tokens, 16, min(tokens, adapters), len(widths), x.device)
+    table = sgmv.expand_config(tokens, 16, min(tokens, adapters), len(widths), max(widths), device=x.device)
     print(
         f"T={tokens} adapters={adapters} widths={widths} base {base:.1f}us, "
         f"+ table's segmented expand {us(after_gemm(table)) / len(copies) - base:.1f}us {table}", flush=True,

@@ -208,6 +208,14 @@ def test_expand_configs(device_table):
                 assert config == expected, (tokens, rank, segments, slices)
 
 
+def test_wide_outputs_take_four_tiles_at_decode_sizes(device_table):
+    four = launch_table.ExpandConfig(16, 128, 4, tiles=4)
+    for tokens, rank, columns in ((65, 16, 8192), (128, 32, 14336), (512, 16, 28672)):
+        assert launch_table.expand_config(tokens, rank, 16, 2, columns) == four
+    for tokens, rank, columns in ((64, 16, 14336), (128, 16, 8191), (128, 33, 14336), (513, 16, 14336)):
+        assert launch_table.expand_config(tokens, rank, 16, 2, columns) != four, (tokens, rank, columns)
+
+
 def test_token_expand(device_table):
     for rank, most in TOKEN_EXPAND_MOST_TOKENS.items():
         served = [t for t in range(1, 300) if launch_table.token_expand_serves(t, rank)]

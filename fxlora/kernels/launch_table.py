@@ -54,13 +54,15 @@ class Shape:
     slice (slices × max rank), for the expands the max rank. ``slices``: for the shrink the
     output slices that the base GEMM beside it writes in one launch (3 for a fused
     ``qkv_proj``, 1 where each slice has a GEMM of its own), for the expands the slices they
-    update. ``segments``: entries of the segment list."""
+    update. ``segments``: entries of the segment list. ``columns``: the expands' widest output
+    slice."""
 
     tokens: int
     k: int = 0
     ranks: int = 0
     slices: int = 1
     segments: int = 1
+    columns: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class When:
     min_slices: int = 1
     min_tokens_per_segment: int = 0  # tokens >= this × segments
     max_tokens_x_ranks: int | None = None
+    min_columns: int = 0
 
     def holds(self, s: Shape) -> bool:
         return (
@@ -84,6 +87,7 @@ class When:
             and self.min_slices <= s.slices
             and s.tokens >= self.min_tokens_per_segment * s.segments
             and (self.max_tokens_x_ranks is None or s.tokens * s.ranks <= self.max_tokens_x_ranks)
+            and self.min_columns <= s.columns
         )
 
 
@@ -128,6 +132,11 @@ SM90 = LaunchTable(
         # found no set clearly ahead); up to 64 tokens rows last, as the shrink's.
         (When(max_tokens=64, max_ranks=32), ExpandConfig(16, 128, 4, rows_last=True)),
         (When(max_tokens=64), ExpandConfig(16, 256, 4, rows_last=True)),
+        # Outputs of 8,192 columns and more (gate/up): 512 columns per program, four pipelined
+        # tiles, so the program's set-up (segment search, its rows' v) is paid a quarter as
+        # often. Right after the GEMM, factors read from HBM: 1-5 µs less an expand at 128-512
+        # tokens (H200); narrower outputs are level or slower with it.
+        (When(max_tokens=512, max_ranks=32, min_columns=8192), ExpandConfig(16, 128, 4, tiles=4)),
         (When(max_tokens=512, max_ranks=32), ExpandConfig(16, 128, 4)),
         (When(max_tokens=512), ExpandConfig(16, 256, 4)),
         # Prefill up to rank 32: 1024 columns per program, so short segments (one adapter per
@@ -205,11 +214,11 @@ def shrink_config(
 
 
 def expand_config(
-    tokens: int, rank: int, segments: int = 1, slices: int = 1, device: torch.device | None = None
+    tokens: int, rank: int, segments: int = 1, slices: int = 1, columns: int = 0, device: torch.device | None = None
 ) -> ExpandConfig:
     """The SGMV expand's parameters for ``tokens`` rows, max rank ``rank``, ``segments``
-    entries in the segment list and ``slices`` output slices."""
-    return _expand_config(device_key(device), tokens, rank, segments, slices)
+    entries in the segment list and ``slices`` output slices, the widest ``columns`` wide."""
+    return _expand_config(device_key(device), tokens, rank, segments, slices, columns)
 
 
 def token_expand_serves(tokens: int, max_rank: int, device: torch.device | None = None) -> bool:
@@ -232,8 +241,8 @@ def _shrink_config(key: str, tokens: int, k: int, ranks: int, gemm_slices: int) 
 
 
 @lru_cache(maxsize=LOOKUPS)
-def _expand_config(key: str, tokens: int, rank: int, segments: int, slices: int) -> ExpandConfig:
-    return _first(TABLES[key].expand, Shape(tokens, ranks=rank, slices=slices, segments=segments))
+def _expand_config(key: str, tokens: int, rank: int, segments: int, slices: int, columns: int) -> ExpandConfig:
+    return _first(TABLES[key].expand, Shape(tokens, ranks=rank, slices=slices, segments=segments, columns=columns))
 
 
 @lru_cache(maxsize=LOOKUPS)

@@ -365,7 +365,7 @@ def lora_expand(
     tokens = y.shape[0]
     _, _, max_rank = lora_b.shape
     segs = min(seg_len.numel(), tokens)
-    cfg = config or expand_config(tokens, max_rank, segs, len(widths), device=y.device)
+    cfg = config or expand_config(tokens, max_rank, segs, len(widths), max(widths), device=y.device)
     lora_b = rows_contiguous(lora_b)
     grid = _grid(cdiv(tokens, cfg.block_m) + segs, cdiv(max(widths), cfg.block_n * cfg.tiles), len(widths), cfg.rows_last)
     _expand_kernel[grid](
