@@ -109,3 +109,30 @@ def test_shrink_moves_16_bytes_at_a_time(tokens, segs):
     )
     assert set(ops) <= {"cp.async.cg", "ld.global.b32", "ld.global.v4.b32"}, ops
     assert ops.get("cp.async.cg", 0) + ops.get("ld.global.v4.b32", 0) > 0, ops
+
+
+def test_batch_sizes_of_one_pool_share_the_kernels_compilations(monkeypatch):
+    """Up to 64 tokens every batch size launches the kernels with the same search width over
+    the segment list, so the decode buckets of one pool compile each kernel once per launch
+    configuration, not once per bucket (``num_segs``, which differs, is not specialised)."""
+    widths = []
+
+    class Recorder:  # stands in for the jitted kernels: records the search width they are given
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: widths.append(constexprs["SEGS_P2"])
+
+    monkeypatch.setattr(sgmv, "_shrink_kernel", Recorder())
+    monkeypatch.setattr(sgmv, "_expand_kernel", Recorder())
+
+    def launch(tokens, entries):
+        widths.clear()
+        rank = torch.full((entries,), 16, dtype=torch.int32)
+        segments = [torch.zeros(entries, dtype=torch.int32) for _ in range(4)]
+        v = sgmv.lora_shrink(torch.randn(tokens, 64), torch.randn(entries, 16, 64), rank, *segments)
+        y = torch.randn(tokens, 32)
+        sgmv.lora_expand(y, v, torch.randn(entries, 32, 16), torch.ones(entries), rank, *segments)
+        return set(widths)
+
+    assert {w for t in (1, 2, 4, 8, 16, 32, 64) for w in launch(t, 16)} == {16}
+    assert {w for t in (1, 8, 64) for w in launch(t, 16 * 64)} == {64}  # the MoE path's list of slots x experts
+    assert launch(128, 16 * 64) == {128} and launch(4096, 16 * 64) == {1024}

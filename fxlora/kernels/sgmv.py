@@ -58,12 +58,11 @@ from fxlora.kernels.launch_table import (
     shrink_config,
 )
 
+FANOUT = tl.constexpr(64)  # segments that _segment_block searches in one step
+
 
 @triton.jit
-def _segment_block(
-    pid, seg_start, seg_len, seg_slot, num_segs, SEGS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-    FANOUT: tl.constexpr = 64,
-):
+def _segment_block(pid, seg_start, seg_len, seg_slot, num_segs, SEGS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     """Which segment's tokens, which block of them, and which adapter's factors program ``pid``
     handles: ``(seg, slot, block, start, length)``, ``seg == num_segs`` when there is none.
 
@@ -137,7 +136,7 @@ def b_columns(rank, MAX_RANK: tl.constexpr):
     return tl.minimum(tl.cdiv(rank, 8) * 8, MAX_RANK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segs"])  # one compilation for every batch size: see segments_p2
 def _shrink_kernel(
     x_ptr, a_ptr, v_ptr, rank_ptr,
     sorted_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
@@ -183,7 +182,7 @@ def _shrink_kernel(
         tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segs"])
 def _expand_kernel(
     y_ptr, v_ptr, b_ptr, scaling_ptr, rank_ptr, slice_start_ptr,
     sorted_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
@@ -299,6 +298,14 @@ def _p2(n: int, floor: int = 16) -> int:
     return max(floor, next_power_of_2(n))
 
 
+def segments_p2(entries: int, tokens: int) -> int:
+    """The ``SEGS_P2`` of a launch over a segment list of ``entries`` entries: a power of two
+    at least the entries it may read, ``min(entries, tokens)``. Up to :data:`FANOUT` tokens it
+    is the same for every token count, so that the batch sizes of one pool share the kernels'
+    compilations (the search reads at most that many starts either way)."""
+    return _p2(min(entries, max(tokens, FANOUT.value)), 2)
+
+
 def _grid(rows: int, second: int, third: int, rows_last: bool) -> tuple[int, int, int]:
     """The kernels' grid: row blocks on the first axis, or on the last (``rows_last``)."""
     if rows_last and rows > 65535:  # CUDA's limit on a grid's last axis
@@ -340,7 +347,7 @@ def lora_shrink(
         x, lora_a, v, rank, sorted_tokens, seg_start, seg_len, seg_slot,
         segs, k, ranks,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), v.stride(0),
-        MAX_RANK=ranks // num_slices, NUM_SLICES=num_slices, SEGS_P2=_p2(segs, 2),
+        MAX_RANK=ranks // num_slices, NUM_SLICES=num_slices, SEGS_P2=segments_p2(seg_len.numel(), tokens),
         BLOCK_M=cfg.block_m, BLOCK_R=block_r, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         IEEE=x.dtype == torch.float32, ROWS_LAST=cfg.rows_last,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -373,7 +380,7 @@ def lora_expand(
         sorted_tokens, seg_start, seg_len, seg_slot,
         segs,
         *y_offsets, *y_strides, v.stride(0), lora_b.stride(0), lora_b.stride(1),
-        MAX_RANK=max_rank, NUM_SLICES=len(widths), SEGS_P2=_p2(segs, 2),
+        MAX_RANK=max_rank, NUM_SLICES=len(widths), SEGS_P2=segments_p2(seg_len.numel(), tokens),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_p2(max_rank), TILES=cfg.tiles, STAGES=cfg.stages,
         ALIGN=column_align(tuple(widths)), IEEE=y.dtype == torch.float32, ROWS_LAST=cfg.rows_last,
         num_warps=cfg.num_warps,
