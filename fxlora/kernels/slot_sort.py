@@ -30,6 +30,9 @@ from fxlora.kernels.launch_table import next_power_of_2
 
 #: the most tokens one program sorts; larger batches take the ATen ops
 MAX_TOKENS = 2048
+#: the fewest positions a program holds: every batch of up to this many tokens shares one
+#: compilation (a sort of 64 keys costs a decode step no more than one of 16)
+MIN_BLOCK = 64
 
 
 @triton.jit
@@ -37,7 +40,7 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _slot_sort_kernel(
     row_slot, token_slot, sorted_tokens, seg_start, seg_len, seg_slot, T, num_slots, per_row, entries,
     BLOCK: tl.constexpr,
@@ -84,7 +87,7 @@ def slot_sort(
         raise ValueError(f"a segment list of {entries} entries cannot hold {count} tokens of {num_slots} slots")
     i32 = dict(dtype=torch.int32, device=row_slot.device)
     out = [torch.empty(count, **i32), torch.empty(count, **i32)] + [torch.empty(entries, **i32) for _ in range(3)]
-    block = max(16, next_power_of_2(count))
+    block = max(MIN_BLOCK, next_power_of_2(count))
     warps = min(16, max(4, block // 128))  # the sort's work grows with the block: more warps past 512 tokens
     _slot_sort_kernel[(1,)](row_slot, *out, count, num_slots, per_row, entries, BLOCK=block, num_warps=warps)
     return tuple(out)
