@@ -31,7 +31,7 @@ from fxlora.kernels.launch_table import next_power_of_2
 #: the most tokens one program sorts; larger batches take the ATen ops
 MAX_TOKENS = 2048
 #: the fewest positions a program holds: every batch of up to this many tokens shares one
-#: compilation (a sort of 64 keys costs a decode step no more than one of 16)
+#: compilation (the smallest batches sort 64 keys where 16 would do: a few more compare steps)
 MIN_BLOCK = 64
 
 
