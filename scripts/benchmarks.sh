@@ -4,7 +4,10 @@
 #   BENCHMARKS="decode_moe" scripts/benchmarks.sh  only those named
 #   GPUS=2 scripts/benchmarks.sh                   the generate_* systems side by side, one GPU each
 #   LATEST_WHEELS=<dir> scripts/benchmarks.sh      the wheels there (the newest transformers, peft) first
-# The stream and tier benchmarks run only when named (BENCHMARKS="stream stream_base tiers").
+# The stream and tier benchmarks run only when named (BENCHMARKS="stream stream_base tiers"); so do
+# the stream's whole generate_batch calls (stream_calls, stream_calls_8b, stream_calls_moe; a second run of the same
+# entry, e.g. stream_calls_warm, finds Inductor's and Triton's caches filled: the warm setup) and
+# the 8B decode step's profile (profile_8b).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
@@ -25,6 +28,13 @@ declare -A RUNS=(
     [stream]="stream.py --model llama --systems stream,static"
     [stream_base]="stream.py --model llama --adapters 0 --systems stream,static,transformers-compiled"
     [stream_8b]="stream.py --model llama8b --systems stream,static"
+    [stream_8b_base]="stream.py --model llama8b --adapters 0 --systems stream,static"
+    [stream_calls]="generate.py --model llama --systems fxlora --stream"
+    [stream_calls_warm]="generate.py --model llama --systems fxlora --stream"
+    [stream_calls_8b]="generate.py --model llama8b --systems fxlora --stream"
+    [stream_calls_8b_warm]="generate.py --model llama8b --systems fxlora --stream"
+    [stream_calls_moe]="generate.py --model qwen3_moe --systems fxlora --stream"
+    [profile_8b]="profile_step.py --model llama8b --batch 1,32,128 --inner inductor"
     [tiers]="tiers.py --slots 256,16,64"
 )
 for name in ${BENCHMARKS:-lora_linear decode_attention decode decode_moe generate generate_moe generate_fp8 generate_moe_fp8}; do
