@@ -1,7 +1,10 @@
 """Where fxlora's setup goes: the setup of ``generate.py`` (``fxlora.compile``, ``prepare()``
 and the first call, which compiles the prefill graph), split by what the time is spent on.
 
-    python benchmarks/setup_time.py [--model llama|llama8b|qwen3_moe] [--quant none|fp8] [--out F.json]
+    python benchmarks/setup_time.py [--model llama|llama8b|qwen3_moe] [--quant none|fp8] [--stream] [--out F.json]
+
+With ``--stream``, the request stream's setup instead: its engine (paged cache, decode graphs)
+in place of ``prepare()``, and ``generate_batch`` calls.
 
 Measured by wrapping, for this process only: each Inductor compile of a graph variant (and the
 first run of what it returns), Triton's compiler (the compilations this process does itself:
@@ -103,6 +106,7 @@ def main() -> None:
     parser.add_argument("--model", choices=("llama", "llama8b", "qwen3_moe"), default="llama")
     parser.add_argument("--quant", choices=("none", "fp8"), default="none")
     parser.add_argument("--max-batch-size", type=int, default=128)
+    parser.add_argument("--stream", action="store_true", help="the request stream's engine and generate_batch calls")
     parser.add_argument("--out", default="setup_time.json")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -120,14 +124,21 @@ def main() -> None:
                         max_len=PROMPT + NEW)  # fmt: skip
     phases["compile"] = time.perf_counter() - start
     start = time.perf_counter()
-    runtime = cm.prepare()
+    if args.stream:
+        cm._requests({}, None)  # the engine: paged cache, decode graphs traced, compiled, captured
+        runtime = cm._engine[1].runner
+    else:
+        runtime = cm.prepare()
     phases["prepare"] = time.perf_counter() - start
     phases["of which capture"] = runtime.graphs.capture_seconds
     prompts = torch.randint(3, sp.config.vocab_size, (BATCH, PROMPT), device="cuda")
     names = [f"ad{i % ADAPTERS}" for i in range(BATCH)]
     for call in ("first call", "second call"):
         start = time.perf_counter()
-        cm.generate(prompts, adapter_names=names, max_new_tokens=NEW, eos_token_id=())
+        if args.stream:
+            cm.generate_batch(prompts.tolist(), names, max_new_tokens=NEW, eos_token_id=(), progress_bar=False)
+        else:
+            cm.generate(prompts, adapter_names=names, max_new_tokens=NEW, eos_token_id=())
         torch.cuda.synchronize()
         phases[call] = time.perf_counter() - start
     phases["setup"] = phases["compile"] + phases["prepare"] + phases["first call"]
@@ -147,7 +158,7 @@ def main() -> None:
         print(f"  {spies.count[key]:4} {s:6.2f} s  {key[0]} {key[2][:70]}")
     result = {
         "meta": {**environment(), "model": args.model, "quant": args.quant, "max_batch_size": args.max_batch_size,
-                 "adapters": ADAPTERS},  # fmt: skip
+                 "adapters": ADAPTERS, "stream": args.stream},  # fmt: skip
         "phases_s": phases,
         "graphs": spies.graphs,
         "by_kind": {f"{w} ({k})": {"count": n, "seconds": s} for (w, k), (n, s) in by_kind.items()},
