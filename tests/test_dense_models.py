@@ -24,6 +24,7 @@ from fxlora.testing import (
     assert_matches_peft,
     batches,
     check_rows,
+    decomposed_logits,
     layered_module_names,
     lora_module_names,
     make_adapter,
@@ -73,9 +74,22 @@ def draw_adapters(data, served: Served, directory: str) -> dict:
 
 
 def merged_oracles(model, adapters):
-    """The merged oracle over ``model`` and over a float64 copy of it (made when first used)."""
-    exact = lambda *a, **k: merged_logits(copy.deepcopy(model).double(), adapters, *a, **k)  # noqa: E731
-    return functools.partial(merged_logits, model, adapters), exact
+    """The merged oracle over ``model``, and the float32 noise a row may show against it, per
+    row: the larger of the merged oracle's own noise and the unmerged decomposition's
+    (:func:`oracle_noise`, each against the merged oracle over a float64 copy of the model). The
+    decomposition computes as fxlora does, ``x @ W + s·(x @ A) @ B``, and where a large scaling
+    makes the adapter outweigh the base it rounds farther from the exact answer than merging
+    does (rank 6, alpha 45, rsLoRA on every linear: 1.8e-5 against the merged oracle's 2.7e-6)."""
+    merged = functools.partial(merged_logits, model, adapters)
+    unmerged = functools.partial(decomposed_logits, model, adapters)
+
+    def noise(adapter_names, **inputs) -> list[float]:
+        precise = merged_logits(copy.deepcopy(model).double(), adapters, adapter_names, **inputs)
+        exact = lambda *a, **k: precise  # noqa: E731
+        pairs = zip(oracle_noise(merged, exact, adapter_names, **inputs), oracle_noise(unmerged, exact, adapter_names, **inputs))
+        return [max(a, b) for a, b in pairs]
+
+    return merged, noise
 
 
 @given(data=st.data())
@@ -103,14 +117,14 @@ def test_mixed_batch_matches_merged_weights(served, data):
         served.load(adapters)
         batch = data.draw(batches(served.model.config.vocab_size, list(adapters)))
         out = served.cm(**batch.inputs, adapter_names=batch.adapter_names).logits
-        merged, exact = merged_oracles(served.model, adapters)
+        merged, noise = merged_oracles(served.model, adapters)
         check_rows(
             out,
             merged(batch.adapter_names, **batch.inputs),
             batch.adapter_names,
             batch.attention_mask,
             MERGED_RTOL,
-            noise=lambda: oracle_noise(merged, exact, batch.adapter_names, **batch.inputs),
+            noise=lambda: noise(batch.adapter_names, **batch.inputs),
             oracle="the merged oracle",
         )
 
@@ -164,10 +178,10 @@ def test_rows_are_independent(served, data):
         out = served.cm(**batch.inputs, adapter_names=names).logits
         i = data.draw(st.integers(0, len(names) - 1), label="row")
         alone = served.cm(input_ids=batch.input_ids[i : i + 1], attention_mask=mask[i : i + 1], adapter_names=[names[i]]).logits
-        # in float32 a row may move by the merged oracle's own noise for it
-        merged, exact = merged_oracles(served.model, adapters)
-        noise = lambda: oracle_noise(merged, exact, names, **batch.inputs)[i : i + 1]  # noqa: E731
-        check_rows(out[i : i + 1], alone, [names[i]], mask[i : i + 1], RTOL[torch.float32], noise, "the row alone")
+        # in float32 a row may move by the oracles' own noise for it
+        _, noise = merged_oracles(served.model, adapters)
+        row_noise = lambda: noise(names, **batch.inputs)[i : i + 1]  # noqa: E731
+        check_rows(out[i : i + 1], alone, [names[i]], mask[i : i + 1], RTOL[torch.float32], row_noise, "the row alone")
         perm = data.draw(st.permutations(range(len(names))), label="perm")
         permuted = served.cm(input_ids=batch.input_ids[perm], attention_mask=mask[perm], adapter_names=[names[p] for p in perm]).logits
     assert max(row_errors(permuted, out[perm], mask[perm])) <= RTOL[torch.float32]
