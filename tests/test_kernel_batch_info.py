@@ -129,6 +129,22 @@ def test_slot_sort_without_adapters():
     assert [t.tolist() for t in out] == [[-1] * 70, list(range(70)), [0] * 70, [0] * 70, [0] * 70]
 
 
+def test_batches_of_up_to_64_tokens_share_the_sort_s_compilation(monkeypatch):
+    """Every batch of up to ``MIN_BLOCK`` tokens launches the sort with the same block (and the
+    token count, which differs, is not specialised): the decode buckets share one compilation."""
+    slot_sort = pytest.importorskip("fxlora.kernels.slot_sort")
+    blocks = []
+
+    class Recorder:  # stands in for the jitted kernel: records the block it is given
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: blocks.append(constexprs["BLOCK"])
+
+    monkeypatch.setattr(slot_sort, "_slot_sort_kernel", Recorder())
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        slot_sort.slot_sort(torch.zeros(rows, dtype=torch.int32), 1, 16)
+    assert set(blocks) == {slot_sort.MIN_BLOCK}
+
+
 def test_slot_sort_names_its_limit():
     slot_sort = pytest.importorskip("fxlora.kernels.slot_sort")
     with pytest.raises(ValueError, match=f"1 to {slot_sort.MAX_TOKENS} tokens, not {slot_sort.MAX_TOKENS + 1}"):
