@@ -190,7 +190,10 @@ class CompiledModel(torch.nn.Module):
     def _requests(self, options: Mapping[str, Any], generation_config: Any, remember_settings: bool = False) -> Requests:
         """The request builder over this model's engine, built (or rebuilt, for other options) now."""
         defaults = {k: self._runtime_options[k] for k in ("max_batch_size", "max_len", "cuda_graphs", "prefill_graph_tokens")}
-        wanted = StreamOptions(**{**defaults, "buckets": _tuple(self._runtime_options["buckets"]), **options})
+        # the compile's batch buckets hold for its max_batch_size; another size takes its own defaults
+        same = options.get("max_batch_size", defaults["max_batch_size"]) == defaults["max_batch_size"]
+        buckets = _tuple(self._runtime_options["buckets"]) if same else None
+        wanted = StreamOptions(**{**defaults, "buckets": buckets, **options})
         with self._backend.lock:
             if self._engine is None or (options and self._engine[0] != wanted):
                 engine = make_engine(self.model, self._compiled, self._backend, wanted, self._group)

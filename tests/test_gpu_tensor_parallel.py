@@ -7,7 +7,9 @@ Each case saves a small model and 16 PEFT adapters to a temporary directory and 
 two ranks' generated tokens by teacher forcing). Checked: per-token KL ≤ 1e-3 of the mixed
 prefill and of decode steps replayed from both variants' CUDA graphs (collectives inside) under
 changing adapter assignments; the graphs were captured on every rank; no host sync inside a
-replayed step or a ``generate`` step; greedy tokens agree with the single GPU's choices.
+replayed step or a ``generate`` step; greedy tokens agree with the single GPU's choices, in
+``generate`` and in the request stream (``generate_batch``, and ``serve`` with requests added on
+rank 0 only), whose graphs hold the collectives too.
 """
 
 from __future__ import annotations
@@ -75,12 +77,18 @@ def case(request, tmp_path_factory):
             for n in (3, 20, 24, 4)
         ],
         "max_new_tokens": 16,
+        # the stream: more requests than the serving loop's rows, prompts and lengths of all sizes
+        "stream": [
+            [torch.randint(3, SIZE["vocab_size"], (int(n),), generator=gen).tolist(), prefill[i % len(prefill)], int(m)]
+            for i, (n, m) in enumerate(zip(torch.randint(1, 30, (10,), generator=gen), torch.randint(1, 24, (10,), generator=gen)))
+        ],
     }
     (directory / "script.json").write_text(json.dumps(script))
     save_file({"ids": torch.randint(3, SIZE["vocab_size"], (len(prefill), 12), generator=gen)}, directory / "inputs.safetensors")
-    ranks = run_ranks(WORKER, directory, ranks=2, limit_s=200, env=NCCL_ENV, results="tp2")
-    save_file({"tokens": ranks[0][0]["generated"]}, directory / "forced.safetensors")
-    ((single, single_report),) = run_ranks(WORKER, directory, ranks=1, limit_s=200, env=NCCL_ENV, results="tp1")
+    ranks = run_ranks(WORKER, directory, ranks=2, limit_s=300, env=NCCL_ENV, results="tp2")
+    first = ranks[0][0]
+    save_file({k: first[k] for k in ("stream", "served")} | {"tokens": first["generated"]}, directory / "forced.safetensors")
+    ((single, single_report),) = run_ranks(WORKER, directory, ranks=1, limit_s=300, env=NCCL_ENV, results="tp1")
     return script, ranks, single, single_report
 
 
@@ -122,3 +130,19 @@ def test_generate_with_an_end_token_does_not_synchronise_per_step_on_any_rank(ca
         ended = out["ended"][0, -new:].tolist()
         end = ended.index(eos)
         assert end <= new // 2 and ended[: end + 1] == row[: end + 1] and all(t == 0 for t in ended[end + 1 :])
+
+
+def test_the_request_stream_on_two_gpus_agrees_with_one_gpu(case):
+    script, ranks, single, single_report = case
+    (first, first_report), (second, second_report) = ranks
+    for kind in ("stream", "served"):  # one schedule, rank 0's, on every rank
+        assert torch.equal(first[kind], second[kind]), kind
+    assert first_report["served_ids"] == [f"s{i}" for i in range(len(script["stream"]))]
+    assert second_report["served_ids"] == [None] * len(script["stream"])
+    for report in (first_report, second_report, single_report):
+        assert report["stream_errors"] == [] and "lora" in report["stream_graphs"]
+    for kind in ("stream", "served"):
+        tokens, logits = first[kind], single[f"forced_{kind}"]
+        assert (tokens >= 0).sum(1).tolist() == [new for _, _, new in script["stream"]], kind
+        generated = tokens >= 0  # every request's tokens, scored as one row
+        assert_greedy_agrees(tokens[generated][None], logits[generated][None], f"the single GPU ({kind})")

@@ -298,3 +298,21 @@ def test_a_prefill_graph_holds_its_prompts_within_bounded_padding(lengths):
         eager = len(group) * -(-longest // PREFILL_ALIGN) * PREFILL_ALIGN
         assert rows >= max(len(group), 2) and length >= longest and length % PREFILL_ALIGN == 0
         assert rows * length <= 4096 and rows * length <= max(PREFILL_SMALL, PREFILL_PADDING * eager)
+
+
+def test_a_serving_size_other_than_the_compiles_takes_its_own_batch_buckets():
+    model = tiny_model("llama", seed=5)
+    adapters = {"a": make_adapter(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), seed=1, directory="", scale=0.3)}
+    cm = fxlora.compile(model, adapters, max_loras=2, max_batch_size=8, max_len=32, batch_buckets=[4, 8])
+    assert cm._requests(dict(block_size=4), None).engine.runner.buckets == [4, 8]  # the compile's size: its buckets
+    prompts = [[3 + i] * (2 + i) for i in range(5)]
+    with cm.serve(max_batch_size=3, block_size=4) as manager:  # another size: buckets of its own
+        assert manager.engine.runner.buckets == [2, 3]
+        ids = [manager.add_request(p, "a" if i % 2 else None, 4, eos_token_id=()) for i, p in enumerate(prompts)]
+        outs = [manager.get_result(i, timeout=60) for i in ids]
+    peft_model = peft_model_with(model, adapters)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        name = "a" if i % 2 else None
+        assert out.generated_tokens == reference_generate(model, peft_model, [name], torch.tensor([prompt]), None, 4, None, 0)[0].tolist()
+    with pytest.raises(ValueError, match=r"batch buckets \[4, 8\] must lie in 1..max_batch_size=3"):
+        cm.serve(max_batch_size=3, buckets=(4, 8))

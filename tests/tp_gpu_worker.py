@@ -5,8 +5,10 @@ is the single-GPU run of the same script, the expectation.
 The script (``DIR/script.json``): a mixed prefill over every adapter, decode steps replayed
 from the captured graphs of both variants under changing adapter assignments (with CUDA's
 sync debug mode set to error: a replayed step never waits on the host), a greedy
-``generate`` and the same with an end token under that mode, and, where
-``DIR/forced.safetensors`` holds another run's tokens, this run's logits over them.
+``generate`` and the same with an end token under that mode, the request stream
+(``generate_batch`` and ``serve`` with requests added on rank 0 only, more requests than rows,
+mixed adapters and none), and, where ``DIR/forced.safetensors`` holds another run's tokens,
+this run's logits over them.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_gpu_worker.py DIR RESULTS
 """
@@ -55,6 +57,23 @@ START = time.perf_counter()
 
 def stage(what: str) -> None:
     print(f"[rank {os.environ['RANK']} {time.perf_counter() - START:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def padded(rows: list[list[int]]) -> torch.Tensor:
+    width = max(map(len, rows))
+    return torch.tensor([row + [-1] * (width - len(row)) for row in rows])
+
+
+def forced_stream(cm, requests: list, tokens: torch.Tensor) -> torch.Tensor:
+    """This run's logits at the positions that chose each request's ``tokens`` (its prompt,
+    then those tokens, teacher-forced with its adapter), zero-padded to ``tokens``' width."""
+    out = torch.zeros(*tokens.shape, cm.config.vocab_size)
+    for i, (prompt, name, _) in enumerate(requests):
+        new = [t for t in tokens[i].tolist() if t >= 0]
+        ids = torch.tensor([prompt + new], device="cuda")
+        logits = cm(input_ids=ids, adapter_names=[name]).logits[0, len(prompt) - 1 : -1]
+        out[i, : len(new)] = logits.float().cpu()
+    return out
 
 
 def main(directory: str, results: str) -> None:
@@ -114,15 +133,30 @@ def main(directory: str, results: str) -> None:
         report["ended_as_without_sync_checks"] = torch.equal(out["ended"], expected)
 
         stage("generate done")
+        requests = script["stream"]
+        prompts, names, news = (list(x) for x in zip(*requests))
+        outs = cm.generate_batch(prompts, names, max_new_tokens=news, eos_token_id=(), progress_bar=False)
+        out["stream"] = padded([o.generated_tokens for o in outs])
+        report["stream_errors"] = [o.error for o in outs if o.error]
+        report["stream_graphs"] = sorted({key[0] for key in cm._engine[1].runner.graphs.graphs})
+        with cm.serve(max_batch_size=4, block_size=8, window=2) as manager:
+            # rank 0's requests are every rank's: the other ranks' add_request returns None
+            ids = [manager.add_request(p, a, n, request_id=f"s{i}", eos_token_id=()) for i, (p, a, n) in enumerate(requests)]
+            report["served_ids"] = ids
+            served = [manager.get_result(f"s{i}", timeout=120).generated_tokens for i in range(len(ids))]
+        out["served"] = padded(served)
+        stage("stream done")
         if os.path.exists(f"{directory}/forced.safetensors"):
-            forced = load_file(f"{directory}/forced.safetensors")["tokens"].cuda()
-            out["forced"] = cm(input_ids=forced, adapter_names=script["prefill"]).logits.float()
+            forced = load_file(f"{directory}/forced.safetensors")
+            out["forced"] = cm(input_ids=forced["tokens"].cuda(), adapter_names=script["prefill"]).logits.float()
+            out["forced_stream"] = forced_stream(cm, requests, forced["stream"])
+            out["forced_served"] = forced_stream(cm, requests, forced["served"])
         report["explain"] = cm.explain()
     save_file({k: v.contiguous().cpu() for k, v in out.items()}, f"{results}/rank{rank}.safetensors")
     json.dump(report, open(f"{results}/rank{rank}.json", "w"))
     if world > 1:
         # the captured graphs hold NCCL work: they go before the communicators do
-        del rt, cm
+        del rt, cm, manager
         gc.collect()
         torch.cuda.synchronize()
         dist.barrier()

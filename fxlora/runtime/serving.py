@@ -48,7 +48,7 @@ class StreamOptions:
     block_size: int = 16  # tokens per KV-cache block
     max_prefill_tokens: int = 4096  # prompt tokens one prefill admits (the first request whatever its length)
     window: int = 8  # decode steps between the host's reads of the tokens
-    buckets: tuple[int, ...] | None = None
+    buckets: tuple[int, ...] | None = None  # decode graphs' row counts; None: powers of two, then max_batch_size
     cuda_graphs: bool | None = None
     prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS
 
@@ -61,6 +61,8 @@ class StreamOptions:
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0
                                    or (isinstance(memory, float) and memory > 1)):  # fmt: skip
             raise ValueError(f"kv_cache_memory must be bytes (an int > 0) or a fraction of free memory in (0, 1], got {memory!r}")
+        if self.buckets is not None and not all(1 <= b <= self.max_batch_size for b in self.buckets):
+            raise ValueError(f"batch buckets {list(self.buckets)} must lie in 1..max_batch_size={self.max_batch_size}")
 
 
 def make_engine(
