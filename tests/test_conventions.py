@@ -5,7 +5,9 @@ reading the generation config, masks inferred or refused, PEFT's argument order.
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -110,6 +112,25 @@ def test_transformers_load_adapter_on_a_compiled_model_loads_into_the_pool(model
     assert torch.equal(cm(input_ids=ids, adapter_names=["a", None]).logits, before)
     cm.model.delete_adapter("c")
     assert cm.adapter_names == ["a"]
+
+
+def test_a_dropped_compiled_model_goes_with_its_engine_and_the_models_methods_refuse(model, adapters, tmp_path):
+    served = copy.deepcopy(model)
+    cm = fxlora.compile(served, adapters={"a": adapters["a"]}, max_loras=3, max_batch_size=4, max_len=32)
+    cm(input_ids=ids_of(2, 5, 4), adapter_names=["a", None])
+    cm.generate(ids_of(2, 5, 5), adapter_names=["a", None], max_new_tokens=2)
+    with cm.serve(max_batch_size=2, block_size=4) as manager:
+        manager.get_result(manager.add_request([5, 6], "a", 2), timeout=60)
+    dropped, engine = weakref.ref(cm), weakref.ref(cm._engine[1])
+    del cm, manager
+    gc.collect()
+    assert dropped() is None and engine() is None  # the model it serves does not keep it alive
+    path = make_adapter(model, LoraConfig(r=2, target_modules=["v_proj"]), 6, str(tmp_path / "c"))
+    with pytest.raises(fxlora.AdapterError, match="load_adapter\\(\\): the fxlora compiled model that served this model was dropped"):
+        served.load_adapter(path, adapter_name="c")
+    again = fxlora.compile(served, adapters={"a": adapters["a"]}, max_loras=3)
+    served.load_adapter(path, adapter_name="c")  # the model's methods serve the new compiled model
+    assert again.adapter_names == ["a", "c"]
 
 
 def test_a_model_holding_peft_layers_is_refused(model, adapters):

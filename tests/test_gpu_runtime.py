@@ -353,3 +353,23 @@ def test_bf16_logits_with_inductor_match_peft_by_per_token_kl():
     kl = torch.nn.functional.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1)
     assert kl.max().item() <= 1e-3, kl.max().item()
     assert "both compiled by inductor" in cm.explain()
+
+
+
+def test_a_dropped_compiled_model_releases_the_graphs_it_captured():
+    """Captured collectives keep a process group from being destroyed (pytorch#115388): once
+    the compiled model is dropped (and collected), the graphs of ``generate`` and of the
+    stream's engine go with it, though the model it served lives on."""
+    import gc
+    import weakref
+
+    _, model, _, cm = _served(torch.float32)
+    ids = torch.randint(3, 200, (2, 6), device="cuda")
+    cm.generate(ids, adapter_names=["a", None], max_new_tokens=3, eos_token_id=())
+    cm.generate_batch([[5, 6, 7], [8]], ["b", None], max_new_tokens=3, eos_token_id=(), progress_bar=False)
+    engine, runtime = weakref.ref(cm._engine[1]), weakref.ref(cm.prepare())
+    assert runtime().graphs.graphs and engine().runner.graphs.graphs
+    dropped = weakref.ref(cm)
+    del cm
+    gc.collect()
+    assert dropped() is None and engine() is None and runtime() is None

@@ -9,7 +9,7 @@ prefill and of decode steps replayed from both variants' CUDA graphs (collective
 changing adapter assignments; the graphs were captured on every rank; no host sync inside a
 replayed step or a ``generate`` step; greedy tokens agree with the single GPU's choices, in
 ``generate`` and in the request stream (``generate_batch``, and ``serve`` with requests added on
-rank 0 only), whose graphs hold the collectives too.
+rank 0 only), whose graphs hold the collectives too; every rank destroys its process group after.
 """
 
 from __future__ import annotations
@@ -89,11 +89,11 @@ def case(request, tmp_path_factory):
     first = ranks[0][0]
     save_file({k: first[k] for k in ("stream", "served")} | {"tokens": first["generated"]}, directory / "forced.safetensors")
     ((single, single_report),) = run_ranks(WORKER, directory, ranks=1, limit_s=300, env=NCCL_ENV, results="tp1")
-    return script, ranks, single, single_report
+    return script, ranks, single, single_report, directory / "tp2"
 
 
 def test_mixed_batches_on_two_gpus_match_one_gpu_by_per_token_kl(case):
-    script, ranks, single, _ = case
+    script, ranks, single, _, _ = case
     keys = ["prefill", *(f"decode{i}-{v}" for i in range(len(script["decode"])) for v in ("lora", "nolora"))]
     for rank, (out, _) in enumerate(ranks):
         for key in keys:
@@ -102,7 +102,7 @@ def test_mixed_batches_on_two_gpus_match_one_gpu_by_per_token_kl(case):
 
 
 def test_both_variants_are_captured_with_their_collectives_on_every_rank(case):
-    script, ranks, _, single_report = case
+    script, ranks, _, single_report, _ = case
     expected = sorted(f"{v}-{b}" for v in ("lora", "nolora") for b in script["buckets"])
     for _, report in [*ranks, (None, single_report)]:
         assert report["graphs"] == expected and report["fallback"] is None
@@ -111,7 +111,7 @@ def test_both_variants_are_captured_with_their_collectives_on_every_rank(case):
 
 
 def test_greedy_generate_on_two_gpus_agrees_with_one_gpu(case):
-    script, ranks, single, _ = case
+    script, ranks, single, _, _ = case
     (first, _), (second, _) = ranks
     assert torch.equal(first["generated"], second["generated"])  # rank 0's answer is every rank's
     prompt = first["generated"].shape[1] - script["max_new_tokens"]
@@ -121,7 +121,7 @@ def test_greedy_generate_on_two_gpus_agrees_with_one_gpu(case):
 
 
 def test_generate_with_an_end_token_does_not_synchronise_per_step_on_any_rank(case):
-    script, ranks, _, _ = case
+    script, ranks, _, _, _ = case
     new = script["max_new_tokens"]
     for out, report in ranks:
         assert report["ended_as_without_sync_checks"]
@@ -133,16 +133,22 @@ def test_generate_with_an_end_token_does_not_synchronise_per_step_on_any_rank(ca
 
 
 def test_the_request_stream_on_two_gpus_agrees_with_one_gpu(case):
-    script, ranks, single, single_report = case
+    script, ranks, single, single_report, _ = case
     (first, first_report), (second, second_report) = ranks
     for kind in ("stream", "served"):  # one schedule, rank 0's, on every rank
         assert torch.equal(first[kind], second[kind]), kind
     assert first_report["served_ids"] == [f"s{i}" for i in range(len(script["stream"]))]
     assert second_report["served_ids"] == [None] * len(script["stream"])
     for report in (first_report, second_report, single_report):
-        assert report["stream_errors"] == [] and "lora" in report["stream_graphs"]
+        assert report["stream_errors"] == [] and report["served_missing"] == [] and "lora" in report["stream_graphs"]
     for kind in ("stream", "served"):
         tokens, logits = first[kind], single[f"forced_{kind}"]
         assert (tokens >= 0).sum(1).tolist() == [new for _, _, new in script["stream"]], kind
         generated = tokens >= 0  # every request's tokens, scored as one row
         assert_greedy_agrees(tokens[generated][None], logits[generated][None], f"the single GPU ({kind})")
+
+
+def test_every_rank_tears_its_process_group_down_after_serving(case):
+    *_, results = case
+    hung = {p.name: p.read_text() for p in results.glob("rank*.teardown")}
+    assert not hung, f"destroy_process_group hung (the stage each rank reached): {hung}"

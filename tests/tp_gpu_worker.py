@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -134,17 +135,19 @@ def main(directory: str, results: str) -> None:
 
         stage("generate done")
         requests = script["stream"]
-        prompts, names, news = (list(x) for x in zip(*requests))
-        outs = cm.generate_batch(prompts, names, max_new_tokens=news, eos_token_id=(), progress_bar=False)
-        out["stream"] = padded([o.generated_tokens for o in outs])
-        report["stream_errors"] = [o.error for o in outs if o.error]
-        report["stream_graphs"] = sorted({key[0] for key in cm._engine[1].runner.graphs.graphs})
+        # the serving loop, with fewer rows than requests: they queue and join as rows free
         with cm.serve(max_batch_size=4, block_size=8, window=2) as manager:
             # rank 0's requests are every rank's: the other ranks' add_request returns None
             ids = [manager.add_request(p, a, n, request_id=f"s{i}", eos_token_id=()) for i, (p, a, n) in enumerate(requests)]
             report["served_ids"] = ids
-            served = [manager.get_result(f"s{i}", timeout=120).generated_tokens for i in range(len(ids))]
-        out["served"] = padded(served)
+            served = [manager.get_result(f"s{i}", timeout=240) for i in range(len(ids))]
+        report["served_missing"] = [f"s{i}" for i, o in enumerate(served) if o is None]
+        out["served"] = padded([o.generated_tokens if o is not None else [] for o in served])
+        prompts, names, news = (list(x) for x in zip(*requests))
+        outs = cm.generate_batch(prompts, names, max_new_tokens=news, eos_token_id=(), progress_bar=False)  # the same engine
+        out["stream"] = padded([o.generated_tokens for o in outs])
+        report["stream_errors"] = [o.error for o in outs if o.error]
+        report["stream_graphs"] = sorted({key[0] for key in cm._engine[1].runner.graphs.graphs})
         stage("stream done")
         if os.path.exists(f"{directory}/forced.safetensors"):
             forced = load_file(f"{directory}/forced.safetensors")
@@ -155,12 +158,22 @@ def main(directory: str, results: str) -> None:
     save_file({k: v.contiguous().cpu() for k, v in out.items()}, f"{results}/rank{rank}.safetensors")
     json.dump(report, open(f"{results}/rank{rank}.json", "w"))
     if world > 1:
+        # a teardown that hangs is written down (the test reads it), with every thread's stack
+        reached = ["started"]
+        watchdog = threading.Timer(60, lambda: (open(f"{results}/rank{rank}.teardown", "w").write(reached[-1]),
+                                                faulthandler.dump_traceback(all_threads=True), os._exit(0)))  # fmt: skip
+        watchdog.start()
         # the captured graphs hold NCCL work: they go before the communicators do
-        del rt, cm, manager
+        del rt, cm, manager  # (the model they served keeps none of them alive)
         gc.collect()
+        alive = [type(o).__name__ for o in gc.get_objects() if type(o).__name__ in ("GraphSet", "StreamRunner", "CUDAGraph")]
+        stage(f"graphs dropped; still alive: {alive}")
         torch.cuda.synchronize()
         dist.barrier()
+        reached.append("barrier passed")
+        stage("barrier passed")
         dist.destroy_process_group()
+        watchdog.cancel()
     stage("done")
 
 

@@ -33,17 +33,20 @@ REFUSED = {
 }
 
 
-_OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Load, Unload]] = weakref.WeakKeyDictionary()
+# model -> its compiled model's load and unload, held weakly: the compiled model holds the
+# model, so strong values here would keep both alive for good
+_OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.WeakMethod, weakref.WeakMethod]] = weakref.WeakKeyDictionary()
 
 
 def guard(model: torch.nn.Module, load: Load, unload: Unload) -> None:
     """Give ``model`` (the instance) fxlora's versions of transformers' PEFT methods, which
-    ``load`` and ``unload`` adapters. A copy of the model (``copy.deepcopy``) is not served by
-    fxlora: on it the methods are transformers' own again."""
-    if model in _OWNERS:
+    ``load`` and ``unload`` adapters (bound methods of the compiled model, held weakly: once
+    it is dropped, the methods refuse). A copy of the model (``copy.deepcopy``) is not served
+    by fxlora: on it the methods are transformers' own again."""
+    if model in _OWNERS and _OWNERS[model][0]() is not None:
         return
     check_no_peft_layers(model)
-    _OWNERS[model] = (load, unload)
+    _OWNERS[model] = (weakref.WeakMethod(load), weakref.WeakMethod(unload))
     for method in (*SERVED, *REFUSED):
         object.__setattr__(model, method, types.MethodType(_method(method), model))
 
@@ -77,7 +80,9 @@ def _method(method: str) -> Callable[..., Any]:
         owner = _OWNERS.get(self)
         if owner is None:
             return getattr(type(self), method)(self, *args, **kwargs)
-        load, unload = owner
+        load, unload = owner[0](), owner[1]()
+        if load is None or unload is None:
+            raise AdapterError(f"{method}(): the fxlora compiled model that served this model was dropped; compile it again")
         if method == "load_adapter":
             return _load_adapter(load, *args, **kwargs)
         if method == "delete_adapter":
