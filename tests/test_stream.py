@@ -316,3 +316,4 @@ def test_a_serving_size_other_than_the_compiles_takes_its_own_batch_buckets():
         assert out.generated_tokens == reference_generate(model, peft_model, [name], torch.tensor([prompt]), None, 4, None, 0)[0].tolist()
     with pytest.raises(ValueError, match=r"batch buckets \[4, 8\] must lie in 1..max_batch_size=3"):
         cm.serve(max_batch_size=3, buckets=(4, 8))
+    assert cm._requests(dict(max_batch_size=6, buckets=(2,), block_size=4), None).engine.runner.buckets == [2, 6]

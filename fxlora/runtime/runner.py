@@ -71,7 +71,7 @@ class StreamRunner:
         param = next(model.parameters())
         self.device, self.dtype, self.backend = param.device, param.dtype, backend
         self.max_rows, self.max_len, self.window = max_rows, max_len, window
-        self.buckets = sorted(set(buckets or default_buckets(max_rows)))
+        self.buckets = sorted({*(buckets or default_buckets(max_rows)), max_rows})  # every row count admitted has one
         self.prefill_graph_tokens = prefill_graph_tokens
         self.model_call = ModelCall(model, step, backend)
         shapes = layer_shapes or probe_shapes(model, self.device)

@@ -48,7 +48,7 @@ class StreamOptions:
     block_size: int = 16  # tokens per KV-cache block
     max_prefill_tokens: int = 4096  # prompt tokens one prefill admits (the first request whatever its length)
     window: int = 8  # decode steps between the host's reads of the tokens
-    buckets: tuple[int, ...] | None = None  # decode graphs' row counts; None: powers of two, then max_batch_size
+    buckets: tuple[int, ...] | None = None  # decode graphs' row counts (and max_batch_size); None: powers of two
     cuda_graphs: bool | None = None
     prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS
 
