@@ -1,6 +1,7 @@
 """Sweep the LoRA kernels' launch parameters on a few shape classes and print the best.
 
     python benchmarks/lora_tune.py [sgmv] [bgmv] [switch] [in_context] [expand_in_context] [segmented_expand_in_context]
+                                   [delta_beside]
 
 Times each kernel alone inside a CUDA graph (median, microseconds), so the entries of the
 launch table (``fxlora/kernels/launch_table.py``) for this device can be chosen from
@@ -9,7 +10,10 @@ either family's expand, to place the token count where one hands over to the oth
 ``in_context`` the shrink's parameters inside that op, where it shares SMs with the GEMM;
 ``expand_in_context`` the expands of both families right after the GEMM, at decode shapes;
 ``segmented_expand_in_context`` the segmented expand's parameters there, at the 8B model's
-shapes, each layer's factors read from HBM as a model's are.
+shapes, each layer's factors read from HBM as a model's are; ``delta_beside`` the whole linear
+as ``lora_linear`` runs it (the expand in place after the GEMM) against the delta made wholly
+on the side stream into a buffer of its own that the output's consumer adds (one pointwise
+kernel either way), at those shapes.
 """
 
 from __future__ import annotations
@@ -262,6 +266,63 @@ def segmented_expand_in_context_case(tokens, adapters, widths) -> None:
     best("GEMM + segmented expand", runs, per=len(copies))
 
 
+def delta_beside() -> None:
+    """Where the expand runs. Today's order: the GEMM on the main stream, the shrink beside it
+    on the side stream, then the expand in place on the main stream, then the output's
+    consumer (a pointwise kernel). Beside: the shrink and an expand into a zeroed buffer of
+    the delta, both on the side stream while the GEMM runs, then the consumer adding the delta
+    (the pointwise kernel an Inductor graph would fuse the add into). Per linear, weights and
+    factors read from HBM, the 8B model's shapes, 16 adapters of rank 16."""
+    for widths, tokens in itertools.product(((14336, 14336), (4096, 1024, 1024), (4096,)), (1, 32, 128)):
+        delta_beside_case(tokens, 16, widths)
+
+
+def delta_beside_case(tokens, adapters, widths) -> None:
+    x, _, a, b, scaling, ranks, (slot, order, start, length, seg_slot), ws, _ = _op_parts(tokens, adapters, 16, widths)
+    slices, sliced = len(widths), widths if len(widths) > 1 else None
+    w = torch.randn(sum(widths), 4096, device="cuda").bfloat16()
+    copies = [(x.clone(), w.clone(), a.clone(), b.clone()) for _ in range(-(-(400 << 20) // (w.nbytes + a.nbytes + b.nbytes)))]
+    side = torch.cuda.Stream()
+    per_token = bgmv.serves(tokens, 16, x.device)
+
+    def expand(y, cb):
+        if per_token:
+            bgmv.lora_expand(y, ws, cb, scaling, ranks, slot, sliced)
+        else:
+            sgmv.lora_expand(y, ws, cb, scaling, ranks, order, start, length, seg_slot, sliced)
+
+    out = torch.empty(tokens, sum(widths), device="cuda").bfloat16()
+    deltas = {dtype: torch.empty(tokens, sum(widths), device="cuda", dtype=dtype) for dtype in (torch.bfloat16, torch.float32)}
+
+    def linear(beside: bool, dtype: torch.dtype):
+        d = deltas[dtype]
+
+        def run():
+            for cx, cw, ca, cb in copies:
+                main, ready = torch.cuda.current_stream(), torch.cuda.Event()
+                ready.record(main)
+                y = torch.nn.functional.linear(cx, cw)
+                side.wait_event(ready)
+                with torch.cuda.stream(side):
+                    sgmv.lora_shrink(cx, ca, ranks, order, start, length, seg_slot, slices, out=ws)
+                    if beside:
+                        expand(d.zero_(), cb)
+                main.wait_stream(side)
+                if beside:
+                    torch.add(y, d, out=out)  # the consumer, the add fused in
+                else:
+                    expand(y, cb)
+                    torch.mul(y, 1.0, out=out)  # the consumer
+
+        return run
+
+    base = us(lambda: [torch.mul(torch.nn.functional.linear(cx, cw), 1.0, out=out) for cx, cw, _, _ in copies]) / len(copies)
+    today = us(linear(False, torch.bfloat16)) / len(copies)
+    cells = [f"{name} {us(linear(True, dtype)) / len(copies) - base:.1f}" for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))]
+    print(f"T={tokens} widths={widths}: GEMM + consumer {base:.1f}us; LoRA adds: in place {today - base:.1f}us, "
+          f"beside with a delta in " + ", ".join(cells) + "us", flush=True)  # fmt: skip
+
+
 def switch_case(tokens, adapters, rank) -> None:
     x, w, a, b, scaling, ranks, (slot, order, start, length, seg_slot), ws, op = _op_parts(tokens, adapters, rank)
     shrink = lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, seg_slot, out=ws)  # noqa: E731
@@ -278,6 +339,7 @@ if __name__ == "__main__":
     tunes = {
         "sgmv": tune_sgmv, "bgmv": tune_bgmv, "switch": switch, "in_context": in_context,
         "expand_in_context": expand_in_context, "segmented_expand_in_context": segmented_expand_in_context,
+        "delta_beside": delta_beside,
     }  # fmt: skip
     for part in sys.argv[1:] or ["sgmv", "bgmv", "switch"]:
         tunes[part]()
