@@ -1,6 +1,8 @@
 """fxlora::lora_linear's reference against the LoRA formula written token by token,
-fxlora::lora_linear_fused's against its members served one at a time, and both ops' Triton
-implementations (on one stream: in Triton's interpreter without CUDA) against the references."""
+fxlora::lora_linear_fused's against its members served one at a time,
+fxlora::lora_linear_beside's against lora_linear_fused's outputs taken apart, and the ops'
+Triton implementations (on one stream: in Triton's interpreter without CUDA) against the
+references."""
 
 import contextlib
 import functools
@@ -16,7 +18,7 @@ from lora_cases import DEVICE, TOL, make_case, multi_slice, nan_workspace, per_t
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxlora.kernels import sgmv
-from fxlora.ops import BatchInfo, LoraWeights, batch_info, lora_linear, lora_linear_fused
+from fxlora.ops import BatchInfo, LoraWeights, batch_info, lora_linear, lora_linear_beside, lora_linear_fused
 from fxlora.ops.delta_launcher import lora_workspace
 
 
@@ -99,6 +101,38 @@ def test_lora_linear_fused_keeps_leading_dims_and_fake():
     torch.library.opcheck(torch.ops.fxlora.lora_linear_fused.default, args, test_utils=("test_schema", "test_faketensor"))
 
 
+@given(
+    rows=st.integers(1, 5),
+    widths=st.lists(st.integers(1, 24), min_size=1, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    data=st.data(),
+)
+def test_lora_linear_beside_is_the_fused_ops_outputs_taken_apart(rows, widths, dtype, data):
+    """Each member's base output, and its columns of the delta apart: added, the fused op's
+    output bit for bit; zero for tokens without an adapter."""
+    num_slots, max_rank, d_in = 3, 8, 16
+    slots = data.draw(st.lists(st.integers(-1, num_slots - 1), min_size=rows, max_size=rows))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    x = torch.randn(rows, 2, d_in, generator=gen).to(dtype)
+    members = []
+    for width in widths:
+        ranks = data.draw(st.lists(st.integers(0, max_rank), min_size=num_slots, max_size=num_slots))
+        _, w, b, a, bb, scaling, rank, _ = make_case(gen, 1, d_in, width, max_rank, ranks, slots, dtype, data.draw(st.booleans()))
+        members.append((w, b, LoraWeights(a, bb, scaling, rank)))
+    weights, biases, factors = (list(t) for t in zip(*members, strict=True))
+    meta = list(batch_info(torch.tensor(slots, dtype=torch.int32), x, 1, num_slots))
+    *ys, delta = lora_linear_beside(x, weights, biases, multi_slice(factors), meta)
+    fused = lora_linear_fused(x, weights, biases, multi_slice(factors), meta)
+    assert delta.shape == (rows, 2, sum(widths)) and delta.dtype == dtype
+    for y, columns, out, w, b in zip(ys, delta.split(widths, -1), fused, weights, biases, strict=True):
+        assert torch.equal(y, F.linear(x, w, b)) and torch.equal(y + columns, out)
+    assert not delta[torch.tensor(slots) < 0].any()
+    torch.library.opcheck(
+        torch.ops.fxlora.lora_linear_beside.default, (x, weights, biases, multi_slice(factors), meta),
+        test_utils=("test_schema", "test_faketensor"),
+    )  # fmt: skip
+
+
 class _Ops(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -153,7 +187,7 @@ def test_a_strided_size_one_dimension_is_one_gemm_not_a_bmm():
 )
 def test_triton_implementations_match_the_references(per_row, max_rank, rows, widths, dtype, data):
     from fxlora.kernels import bgmv
-    from fxlora.ops.lora_linear import lora_linear_fused_triton, lora_linear_triton
+    from fxlora.ops.lora_linear import lora_linear_beside_triton, lora_linear_fused_triton, lora_linear_triton
 
     assert bgmv.serves(rows * per_row, max_rank) == (per_row == 1)
     num_slots, d_in = 3, 24
@@ -178,5 +212,9 @@ def test_triton_implementations_match_the_references(per_row, max_rank, rows, wi
     module = sys.modules[lora_linear_fused_triton.__module__]  # the op's own scratch, NaN as well
     with mock.patch.object(module, "lora_workspace", nan_workspace):
         got += lora_linear_fused_triton(x, weights, biases, joint, meta, overlap=False)
+    with mock.patch.object(module, "lora_workspace", nan_workspace):
+        *ys, delta = lora_linear_beside_triton(x, weights, biases, joint, meta, overlap=False)
+    got += [y + columns for y, columns in zip(ys, delta.split(list(widths), -1), strict=True)]
+    expected += expected[1:]  # the fused op's outputs, taken apart and added
     for out, ref in zip(got, expected, strict=True):
         torch.testing.assert_close(out.cpu(), ref, **TOL[dtype])

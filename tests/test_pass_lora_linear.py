@@ -1,8 +1,11 @@
 """The lora_linear pass on small Dynamo-traced modules: a plain F.linear of a module's weight
-becomes fxlora::lora_linear; linears that are not (``input @ weight.T``, torchao-quantised
+becomes fxlora::lora_linear (in code captured in CUDA graphs, fxlora::lora_linear_beside and
+an add of its delta); linears that are not (``input @ weight.T``, torchao-quantised
 weights, a linear followed by more work) get fxlora::lora_delta onto their output, joined when
 they read one input; against PEFT per row (float32, 1e-5 relative), rows without an adapter bit
 for bit the traced graph's."""
+
+import operator
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ LORA_DELTA = torch.ops.fxlora.lora_delta.default
 LORA_SHRINK = torch.ops.fxlora.lora_shrink.default
 LORA_LINEAR = torch.ops.fxlora.lora_linear.default
 LORA_LINEAR_FUSED = torch.ops.fxlora.lora_linear_fused.default
+LORA_LINEAR_BESIDE = torch.ops.fxlora.lora_linear_beside.default
 
 
 class MatmulLinear(torch.nn.Linear):
@@ -67,6 +71,18 @@ class Scaled(torch.nn.Linear):
 
     def forward(self, x):
         return torch.nn.functional.linear(x, self.weight, self.bias) * 2
+
+
+class Attention(torch.nn.Module):
+    """q, k and v: plain linears that read one input, then o over their outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 4)
+        self.o = torch.nn.Linear(16, 8)
+
+    def forward(self, h):
+        return self.o(torch.cat([torch.relu(self.q(h)), self.k(h) * 2, self.v(h)], -1)) + h
 
 
 class Twice(torch.nn.Module):
@@ -158,6 +174,29 @@ def test_the_shrink_goes_before_the_base_for_code_run_on_cuda():
     assert nodes.index(shrink) < min(regions) and nodes.index(delta) > max(regions)
     assert "each shrink issued before its traced base (fxlora::lora_shrink)" in [str(r) for r in ctx.records]
     check_against_peft(model, adapters, variants, inputs, pool, h)
+
+
+def test_plain_linears_in_captured_code_get_their_delta_beside_and_added_by_the_graph():
+    """With ``shrink_ahead`` a group of plain linears (q, k, v) and a single one (o) each become
+    one fxlora::lora_linear_beside, whose delta columns the graph adds onto each output; the
+    result is PEFT's (rows without an adapter the traced base's, bit for bit), and so is
+    Inductor's compilation of it."""
+    from fxlora.compiler.inner import compile_inner
+
+    torch.manual_seed(0)
+    model = Attention().eval()
+    h = torch.randn(3, 5, 8)
+    adapters = adapters_for(model, ["q", "k", "v", "o"])
+    variants, ctx, inputs, pool = compile_toy(model, adapters, h, shrink_ahead=True)
+    assert count(variants.lora, LORA_LINEAR_BESIDE) == 2 and count(variants.lora, LORA_LINEAR_FUSED) == 0
+    assert set(ctx.rewritten.values()) == {"fxlora::lora_linear_beside"} and ("q", "k", "v") in pool.groups
+    adds = [n for n in variants.lora.graph.nodes if n.target is operator.add and n.args[1].op == "call_function"]
+    assert len(adds) == 4  # one per linear: its output plus its columns of the delta
+    check_against_peft(model, adapters, variants, inputs, pool, h)
+    slots = torch.tensor(pool.slot_ids(["one", None, "two"]), dtype=torch.int32)
+    with torch.no_grad():
+        out = compile_inner(variants.lora, "inductor")(*inputs, slots)
+    torch.testing.assert_close(out[0], variants.lora(*inputs, slots)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_inductor_keeps_the_shrinks_input_until_the_delta():
@@ -274,5 +313,6 @@ def test_torchao_weights_are_left_to_lora_delta(quantization, shrink_ahead):
     variants, ctx, inputs, pool = compile_toy(model, adapters, h, shrink_ahead)
     assert count(variants.lora, LORA_DELTA) == 1 and count(variants.lora, LORA_LINEAR_FUSED) == 0
     assert count(variants.lora, LORA_SHRINK) == shrink_ahead
-    assert ctx.rewritten == {"a": "fxlora::lora_delta", "b": "fxlora::lora_delta", "c": "fxlora::lora_linear"}
+    plain = "fxlora::lora_linear_beside" if shrink_ahead else "fxlora::lora_linear"
+    assert ctx.rewritten == {"a": "fxlora::lora_delta", "b": "fxlora::lora_delta", "c": plain}
     check_against_peft(model, adapters, variants, inputs, pool, h)

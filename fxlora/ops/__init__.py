@@ -25,7 +25,7 @@ from fxlora.ops.lora_delta import lora_delta
 from fxlora.ops.lora_embedding import lora_embedding
 from fxlora.ops.lora_embedding_delta import lora_embedding_delta
 from fxlora.ops.lora_grouped_delta import lora_grouped_delta, lora_grouped_delta_composed
-from fxlora.ops.lora_linear import lora_linear, lora_linear_fused
+from fxlora.ops.lora_linear import lora_linear, lora_linear_beside, lora_linear_fused
 from fxlora.ops.lora_shrink import lora_shrink
 from fxlora.ops.lora_weight_rows import lora_weight_rows
 from fxlora.ops.moe_lora import moe_lora, moe_lora_composed
@@ -38,6 +38,7 @@ LORA_OPS = frozenset({
     torch.ops.fxlora.lora_delta.default,
     torch.ops.fxlora.lora_linear.default,
     torch.ops.fxlora.lora_linear_fused.default,
+    torch.ops.fxlora.lora_linear_beside.default,
     torch.ops.fxlora.lora_shrink.default,
     torch.ops.fxlora.lora_weight_rows.default,
     torch.ops.fxlora.lora_embedding.default,
@@ -68,6 +69,7 @@ __all__ = [
     "lora_embedding_delta",
     "lora_grouped_delta",
     "lora_linear",
+    "lora_linear_beside",
     "lora_linear_fused",
     "lora_shrink",
     "lora_weight_rows",

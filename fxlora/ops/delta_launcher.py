@@ -7,7 +7,8 @@ workspace (:func:`lora_workspace`), then the expand, per token for a handful of 
 (:mod:`fxlora.kernels.bgmv`), else by segments. While a CUDA graph is captured the shrink,
 which reads only the input, may fork onto a side stream beside the base and join before the
 expand. ``fxlora::lora_linear``, ``lora_linear_fused``, ``lora_delta`` and ``lora_shrink``
-register their CUDA implementations over these; this module defines no op.
+register their CUDA implementations over these; :func:`delta_beside` writes the delta into a
+tensor of its own, wholly beside the base (``lora_linear_beside``). This module defines no op.
 """
 
 from __future__ import annotations
@@ -59,6 +60,42 @@ def with_lora_delta(
     rows = lambda t: t.view(-1, t.shape[-1])  # noqa: E731
     expand_onto(rows(y) if isinstance(y, torch.Tensor) else [rows(t) for t in y], v, weights, info, slice_widths)
     return y
+
+
+def delta_beside(
+    x: torch.Tensor,
+    base: Callable[[], list[torch.Tensor]],
+    weights: LoraWeights,
+    info: BatchInfo,
+    workspace: torch.Tensor,
+    delta: torch.Tensor,
+    widths: tuple[int, ...],
+    overlap: bool,
+) -> list[torch.Tensor]:
+    """``base()`` (one output per slice), and the delta of every slice written into ``delta``
+    (``(..., sum(widths))``, zero for tokens without an adapter) instead of added onto them.
+    With ``overlap``, while a CUDA graph is captured, the delta (zeroing, shrink and expand)
+    runs on the side stream beside ``base`` and joins before this returns. ``delta`` and
+    ``workspace`` are allocated before the fork, so no work of the main stream still reads
+    their memory when the side stream writes it."""
+    x2 = kernel_rows(x, weights)
+    rows = delta.view(-1, delta.shape[-1])
+
+    def make() -> None:
+        rows.zero_()
+        v = shrink_into(workspace, x2, weights, info, len(widths), 1)
+        expand_onto(rows, v, weights, info, widths if len(widths) > 1 else None)
+
+    if overlap and capturing(x):
+        inputs_ready = fork(x.device)
+        ys = base()
+        with on_side_stream(x.device, inputs_ready):
+            make()
+        join(x.device)
+    else:
+        make()
+        ys = base()
+    return ys
 
 
 def kernel_rows(x: torch.Tensor, weights: LoraWeights) -> torch.Tensor:

@@ -13,6 +13,12 @@ elsewhere from :func:`fxlora.ops.lora_delta.lora_delta_reference`.
 ``fxlora::lora_linear_fused`` serves several linears that read the same input (q, k and v;
 gate and up): each member keeps its own GEMM and output, and its factors are one slice of
 the kernels' multi-slice layout, so one shrink and one expand serve them all.
+
+``fxlora::lora_linear_beside`` serves the same members in code captured in CUDA graphs: it
+returns their base outputs and, apart, their delta (zero for tokens without an adapter), which
+the graph adds onto each output where it is next read (Inductor fuses the add into that
+kernel). The shrink and the expand both run on the side stream beside the GEMMs, so the main
+stream carries no LoRA kernel; in place, the expand must follow the GEMM there.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fxlora.kernels import sgmv
-from fxlora.ops.delta_launcher import lora_workspace, with_lora_delta
+from fxlora.ops.delta_launcher import delta_beside, lora_workspace, with_lora_delta
 from fxlora.ops.lora_delta import lora_delta_reference, sliced_delta_reference
 from fxlora.ops.operands import BatchInfo, LoraWeights
 
@@ -112,9 +118,47 @@ def lora_linear_fused_triton(
     return with_lora_delta(x, base, factors, info, workspace, overlap, widths, one_gemm=False)
 
 
+@torch.library.custom_op("fxlora::lora_linear_beside", mutates_args=())
+def lora_linear_beside(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    lora: list[torch.Tensor],
+    batch: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """``[F.linear(x, weights[i], biases[i]) ...]``, then, last, the members' LoRA delta
+    ``(..., sum of their widths)`` in their dtype: member ``i``'s columns in the multi-slice
+    layout's order, zero for tokens without an adapter. ``lora_linear_fused``'s outputs are
+    each member's output plus its columns of the delta."""
+    ys = [_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    delta = x.new_zeros((*x.shape[:-1], sum(y.shape[-1] for y in ys)), dtype=ys[0].dtype)
+    columns = list(delta.view(-1, delta.shape[-1]).split([y.shape[-1] for y in ys], -1))
+    sliced_delta_reference(columns, x.reshape(-1, x.shape[-1]), LoraWeights(*lora), BatchInfo(*batch).token_slot)
+    return [*ys, delta]
+
+
+def lora_linear_beside_triton(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    lora: list[torch.Tensor],
+    batch: list[torch.Tensor],
+    overlap: bool = True,
+) -> list[torch.Tensor]:
+    """Every member's GEMM; the delta's shrink and expand on the side stream beside them while
+    a CUDA graph is captured (``overlap``), joined before the op returns."""
+    base = lambda: [_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # noqa: E731
+    widths = tuple(w.shape[0] for w in weights)
+    factors, info = LoraWeights(*lora), BatchInfo(*batch)
+    delta = torch.empty((*x.shape[:-1], sum(widths)), dtype=torch.promote_types(x.dtype, weights[0].dtype), device=x.device)
+    ys = delta_beside(x, base, factors, info, lora_workspace(x, factors.lora_a), delta, widths, overlap)
+    return [*ys, delta]
+
+
 if sgmv is not None:
     lora_linear.register_kernel("cuda")(lora_linear_triton)
     lora_linear_fused.register_kernel("cuda")(lora_linear_fused_triton)
+    lora_linear_beside.register_kernel("cuda")(lora_linear_beside_triton)
 
 
 @lora_linear.register_fake
@@ -125,3 +169,10 @@ def _(x, weight, bias, lora, batch, workspace):
 @lora_linear_fused.register_fake
 def _(x, weights, biases, lora, batch):
     return [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.promote_types(x.dtype, w.dtype)) for w in weights]
+
+
+@lora_linear_beside.register_fake
+def _(x, weights, biases, lora, batch):
+    dtype = torch.promote_types(x.dtype, weights[0].dtype)
+    ys = [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.promote_types(x.dtype, w.dtype)) for w in weights]
+    return [*ys, x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)), dtype=dtype)]

@@ -20,7 +20,10 @@ Emits, for each group, or for each region where its group cannot be joined:
 
 - plain linears: the base call replaced by ``fxlora::lora_linear``, or for a group one
   ``fxlora::lora_linear_fused`` that returns each member's output (every member keeps its
-  GEMM); a parameter read a later member's weight needs moves up before the op;
+  GEMM); a parameter read a later member's weight needs moves up before the op. For code
+  captured in CUDA graphs (``PassContext.shrink_ahead``) one ``fxlora::lora_linear_beside``
+  per group or linear instead, whose delta, made on the side stream beside the GEMMs, the
+  graph adds onto each member's output (a pointwise add Inductor fuses into its next reader);
 - any other region (``input @ weight.T``, a torchao-quantised weight, a forward that makes
   several linear calls): ``fxlora::lora_delta`` right after its output, adding in place, the
   base computation kept in its traced form, a group's later regions moved up behind the first
@@ -53,6 +56,7 @@ from fxlora.compiler.context import PassContext
 from fxlora.compiler.graph_edit import (
     base_calls,
     call_arg,
+    fake_value,
     input_values,
     meta_shape,
     meta_value,
@@ -239,7 +243,9 @@ def _serve(
             return [group.fqns]
         ctx.record("info", fqns, f"{'not fused' if fast else 'not joined'} {', '.join(fqns)}: {why}")
     for r in regions:
-        if fast:
+        if fast and ctx.shrink_ahead:
+            replaced.update(_fuse(gm, ctx, x, rows, [r], r.target))
+        elif fast:
             replaced[r.linear] = _replace(gm, ctx, x, rows, r)
         else:
             _add_delta(gm, ctx, x, rows, [r], r.target)
@@ -276,32 +282,57 @@ def _cannot_fuse(gm: fx.GraphModule, regions: list[Region]) -> str | None:
 
 
 def _fuse(
-    gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions: list[Region], group: PoolGroup
+    gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, regions: list[Region], factors: PoolTarget | PoolGroup
 ) -> dict[fx.Node, fx.Node]:
-    """One ``lora_linear_fused`` at the first member's place; the members' users read its parts
-    (returned: each member's linear -> its part)."""
+    """One ``lora_linear_fused`` at the first member's place, or under ``ctx.shrink_ahead`` one
+    ``lora_linear_beside`` and an add of its delta's columns onto each member's output; the
+    members' users read what serves them (returned: each member's linear -> that node)."""
     graph = gm.graph
     first = regions[0].linear
-    weights = [call_arg(r.linear, 1, "weight") for r in regions]
-    biases = [call_arg(r.linear, 2, "bias") for r in regions]
+    weights, biases = [linear_weight(r.linear) for r in regions], [_linear_bias(r.linear) for r in regions]
     position = {n: i for i, n in enumerate(graph.nodes)}
     for a in weights + biases:  # a parameter read (through casts, or a DTensor's local shard): safe earlier
         if isinstance(a, fx.Node) and position[a] > position[first]:
             for n in parameter_read(a):
                 if position[n] > position[first]:
                     first.prepend(n)
+    beside = ctx.shrink_ahead
+    op = torch.ops.fxlora.lora_linear_beside.default if beside else torch.ops.fxlora.lora_linear_fused.default
     with graph.inserting_before(first):
-        lora, batch, _ = lora_operands(gm, ctx, x, group, rows, workspace=False)
-        fused = graph.call_function(torch.ops.fxlora.lora_linear_fused.default, (x, weights, biases, lora, batch))
+        if first.target is torch.addmm:  # a Conv1D (served on its own) stores its weight transposed
+            weights = [graph.call_function(torch.t, (weights[0],))]
+        lora, batch, _ = lora_operands(gm, ctx, x, factors, rows, workspace=False)
+        fused = graph.call_function(op, (x, weights, biases, lora, batch))
         fused.meta["fxlora_module"] = _common_module([r.target.fqn for r in regions])
         fused.meta["example_value"] = [meta_value(r.linear) for r in regions]
-        parts = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(regions))]
+        parts = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(regions) + beside)]
+        if beside:
+            parts = _add_columns(graph, fused, regions, parts)
     for r, part in zip(regions, parts, strict=True):
         part.meta.update(r.linear.meta)  # the member's traced value and module
         r.linear.replace_all_uses_with(part)
         graph.erase_node(r.linear)
-        ctx.rewritten[r.target.fqn] = "fxlora::lora_linear_fused"
+        ctx.rewritten[r.target.fqn] = op.name()
     return {r.linear: part for r, part in zip(regions, parts, strict=True)}
+
+
+def _add_columns(graph: fx.Graph, op: fx.Node, regions: list[Region], parts: list[fx.Node]) -> list[fx.Node]:
+    """Each member's output plus its columns of the delta (``lora_linear_beside``'s last part)."""
+    *ys, delta = parts
+    widths = [r.target.info.out_features for r in regions]
+    fake_value(delta, lambda y: y.new_empty((*y.shape[:-1], sum(widths))), regions[0].linear)
+    if "example_value" in delta.meta:
+        op.meta["example_value"] = [*op.meta["example_value"], delta.meta["example_value"]]
+    outs, col = [], 0
+    for r, y, width in zip(regions, ys, widths, strict=True):
+        y.meta.update(r.linear.meta)  # the member's base output: its traced value and module
+        columns = delta
+        if len(regions) > 1:
+            columns = graph.call_function(torch.narrow, (delta, -1, col, width))
+            fake_value(columns, lambda d, col=col, width=width: d.narrow(-1, col, width), delta)
+        outs.append(graph.call_function(operator.add, (y, columns)))
+        col += width
+    return outs
 
 
 def _replace(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, rows: int, r: Region) -> fx.Node:
