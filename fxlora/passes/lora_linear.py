@@ -319,7 +319,7 @@ def _fuse(
 def _add_columns(graph: fx.Graph, op: fx.Node, regions: list[Region], parts: list[fx.Node]) -> list[fx.Node]:
     """Each member's output plus its columns of the delta (``lora_linear_beside``'s last part)."""
     *ys, delta = parts
-    widths = [r.target.info.out_features for r in regions]
+    widths = [meta_shape(r.linear)[-1] if meta_shape(r.linear) else r.target.info.out_features for r in regions]  # this rank's
     fake_value(delta, lambda y: y.new_empty((*y.shape[:-1], sum(widths))), regions[0].linear)
     if "example_value" in delta.meta:
         op.meta["example_value"] = [*op.meta["example_value"], delta.meta["example_value"]]
