@@ -317,3 +317,30 @@ def test_a_serving_size_other_than_the_compiles_takes_its_own_batch_buckets():
     with pytest.raises(ValueError, match=r"batch buckets \[4, 8\] must lie in 1..max_batch_size=3"):
         cm.serve(max_batch_size=3, buckets=(4, 8))
     assert cm._requests(dict(max_batch_size=6, buckets=(2,), block_size=4), None).engine.runner.buckets == [2, 6]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_graphs_built_as_on_cuda_equal_peft_alone(family):
+    """The passes as they rewrite code captured in CUDA graphs (``shrink_ahead``: plain linears
+    become ``lora_linear_beside`` and an add of their delta), run here on the CPU references,
+    compiled by Inductor: every request's tokens are PEFT's alone."""
+    import dataclasses
+
+    from fxlora.runtime.backend import Backend
+
+    context = Backend._context
+    as_on_cuda = lambda self, *args, **kwargs: dataclasses.replace(context(self, *args, **kwargs), shrink_ahead=True)  # noqa: E731
+    model = tiny_model(family, seed=5)
+    targets = [t for t in lora_module_names(model) if "experts" not in t]
+    adapters = {
+        name: make_adapter(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets), seed=i, directory="", scale=0.3)
+        for i, (name, r) in enumerate([("a", 4), ("b", 2)])
+    }
+    with mock.patch.object(Backend, "_context", as_on_cuda):
+        cm = fxlora.compile(model, adapters, max_loras=4, max_batch_size=4, max_len=32, inner="inductor")
+        prompts, names = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14]], ["a", None, "b", "a"]
+        outs = cm.generate_batch(prompts, names, max_new_tokens=6, eos_token_id=(), progress_bar=False)
+    assert "fxlora::lora_linear_beside" in set(cm.backend.rewritten.values())
+    peft_model = peft_model_with(model, adapters)
+    for prompt, name, out in zip(prompts, names, outs, strict=True):
+        assert out.generated_tokens == reference_generate(model, peft_model, [name], torch.tensor([prompt]), None, 6, None, 0)[0].tolist()
