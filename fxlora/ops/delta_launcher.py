@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -48,15 +49,7 @@ def with_lora_delta(
     x2 = kernel_rows(x, weights)
     slices = len(slice_widths or (None,))
     shrink = lambda: shrink_into(workspace, x2, weights, info, slices, slices if one_gemm else 1)  # noqa: E731
-    if overlap and capturing(x):  # the GEMM first, the shrink forked
-        inputs_ready = fork(x.device)
-        y = base()
-        with on_side_stream(x.device, inputs_ready):
-            v = shrink()
-        join(x.device)  # everything after, on main, follows the shrink
-    else:
-        v = shrink()
-        y = base()
+    y, v = beside_base(x, base, shrink, overlap)
     rows = lambda t: t.view(-1, t.shape[-1])  # noqa: E731
     expand_onto(rows(y) if isinstance(y, torch.Tensor) else [rows(t) for t in y], v, weights, info, slice_widths)
     return y
@@ -86,16 +79,24 @@ def delta_beside(
         v = shrink_into(workspace, x2, weights, info, len(widths), 1)
         expand_onto(rows, v, weights, info, widths if len(widths) > 1 else None)
 
+    ys, _ = beside_base(x, base, make, overlap)
+    return ys
+
+
+def beside_base(x: torch.Tensor, base: Callable[[], Any], work: Callable[[], Any], overlap: bool) -> tuple[Any, Any]:
+    """``(base(), work())``. With ``overlap``, while a CUDA graph is captured, ``base`` is
+    issued first and ``work`` (which reads only what was ready before ``base``) forks onto the
+    side stream beside it, joined before this returns: everything after follows both.
+    Eagerly both run on the current stream, ``work`` first."""
     if overlap and capturing(x):
         inputs_ready = fork(x.device)
-        ys = base()
+        out = base()
         with on_side_stream(x.device, inputs_ready):
-            make()
+            done = work()
         join(x.device)
-    else:
-        make()
-        ys = base()
-    return ys
+        return out, done
+    done = work()
+    return base(), done
 
 
 def kernel_rows(x: torch.Tensor, weights: LoraWeights) -> torch.Tensor:
