@@ -110,6 +110,7 @@ class Case:
     dtype: torch.dtype
     y_host: torch.Tensor
     expected: torch.Tensor
+    store: bool = False
     parts: list[torch.Tensor] | None = None
 
     def outputs(self, data) -> torch.Tensor | list[torch.Tensor]:
@@ -127,12 +128,14 @@ class Case:
         return nan_workspace(self.x, self.a) if data.draw(st.booleans(), label="workspace") else None
 
     def check(self) -> None:
-        """``y`` holds the reference result; rows without an adapter are untouched."""
+        """``y`` holds the reference result; rows without an adapter are untouched (with
+        ``store``: zero, as the reference holds them)."""
         if self.parts is not None:
             self.y = torch.cat(self.parts, 1)
         torch.testing.assert_close(self.y.cpu().float(), self.expected.float(), **TOL[self.dtype])
-        untouched = (self.token_slot.cpu() < 0).tolist()
-        assert torch.equal(self.y.cpu()[untouched], self.y_host[untouched])
+        if not self.store:
+            untouched = (self.token_slot.cpu() < 0).tolist()
+            assert torch.equal(self.y.cpu()[untouched], self.y_host[untouched])
 
 
 def nan_workspace(*args, **kwargs) -> torch.Tensor:
@@ -142,10 +145,11 @@ def nan_workspace(*args, **kwargs) -> torch.Tensor:
     return lora_workspace(*args, **kwargs).fill_(float("nan"))
 
 
-def draw_case(data, slots: tuple[int, int] = (1, 4), tokens: tuple[int, int] = (1, 67)) -> Case:
+def draw_case(data, slots: tuple[int, int] = (1, 4), tokens: tuple[int, int] = (1, 67), store: bool = False) -> Case:
     """Token counts 1..67, widths and inputs that are not multiples of the block sizes, ranks
     up to 64 (some slots at 0), 1 to 3 slices, float32 / float16 (and bfloat16 on CUDA);
-    ``slots`` and ``tokens``: the ranges of the pool's slot count and of the token count."""
+    ``slots`` and ``tokens``: the ranges of the pool's slot count and of the token count.
+    ``store``: for an expand that writes the delta alone, into an output holding NaN."""
     tokens, d_in = data.draw(st.integers(*tokens), label="tokens"), data.draw(st.integers(1, 80), label="d_in")
     width = st.integers(1, 70) | st.integers(1, 8).map(lambda m: 8 * m)  # some aligned for 16-byte access
     widths = tuple(data.draw(st.lists(width, min_size=1, max_size=3), label="widths"))
@@ -158,17 +162,19 @@ def draw_case(data, slots: tuple[int, int] = (1, 4), tokens: tuple[int, int] = (
     a, b, scaling, rank = pool_factors(gen, slots, slices, max_rank, d_in, widths, ranks, dtype)
     x = torch.randn(tokens, d_in, generator=gen).to(dtype)
     y = torch.randn(tokens, sum(widths), generator=gen).to(dtype)
+    if store:
+        y.fill_(float("nan"))
     # the ATen ops' list (per slot, or compact for a pool larger than the batch) or the one-launch
     # kernel's; of the fewest entries, or of one per slot as fxlora::batch_info's (the kernels read
     # the first min(tokens, slots))
     build = data.draw(st.sampled_from([token_segments, fast_token_segments]), label="segment list")
     entries = data.draw(st.sampled_from([None, slots]), label="entries")
     meta = build(torch.tensor(assignment, dtype=torch.int32, device=DEVICE), 1, slots, entries=entries)
-    expected = reference(y, x, a, b, scaling, rank, meta[0].cpu(), widths)
+    expected = reference(torch.zeros_like(y) if store else y, x, a, b, scaling, rank, meta[0].cpu(), widths)
     on = [t.to(DEVICE) for t in (x, y.clone(), a, b, scaling, rank)] + list(meta)
     if data.draw(st.booleans(), label="factors inside a larger tensor"):
         on[2], on[3] = inside_noise(gen, on[2], 1), inside_noise(gen, on[3], 1)
-    return Case(*on, widths=widths, dtype=dtype, y_host=y, expected=expected)
+    return Case(*on, widths=widths, dtype=dtype, y_host=y, expected=expected, store=store)
 
 
 _PTX_SCRIPT = """

@@ -33,6 +33,8 @@ def check_segments(
     starts = seg_start.tolist()
     assert starts == sorted(starts) and max(starts, default=0) <= len(slots)  # the kernels' search relies on it
     assert starts[:1] in ([0], [])  # ... and on the first starting at 0, with or without adapters
+    last = max((i for i, n in enumerate(seg_len.tolist()) if n), default=-1)
+    assert all(s == covered for s in starts[last + 1 :])  # the expand that stores finds the no-adapter tokens there
 
 
 @given(

@@ -14,7 +14,8 @@ sgmv = pytest.importorskip("fxlora.kernels.sgmv")
 @settings(max_examples=60 if torch.cuda.is_available() else 25)  # the CPU runs Triton's interpreter
 @given(data=st.data())
 def test_shrink_expand_match_reference(data):
-    c = draw_case(data)
+    store = data.draw(st.booleans(), label="store")
+    c = draw_case(data, store=store)
     blocks = st.sampled_from([16, 32])
     shrink = data.draw(
         st.none()
@@ -39,7 +40,7 @@ def test_shrink_expand_match_reference(data):
     )
     v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, len(c.widths), config=shrink, out=c.workspace(data))
     y = c.outputs(data)
-    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, c.widths, config=expand)
+    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, c.widths, config=expand, store=store)
     c.check()
 
 
@@ -48,10 +49,11 @@ def test_shrink_expand_match_reference(data):
 def test_long_segment_lists_match_reference(data):
     """Segment lists longer than the search reads at once (more tokens and more slots than 64),
     so it takes two steps; most segments are one token long."""
-    c = draw_case(data, slots=(65, 100), tokens=(65, 100))
+    store = data.draw(st.booleans(), label="store")
+    c = draw_case(data, slots=(65, 100), tokens=(65, 100), store=store)
     v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, len(c.widths))
     y = c.outputs(data)
-    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, c.widths)
+    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, c.widths, store=store)
     c.check()
 
 
@@ -60,10 +62,11 @@ def test_long_segment_lists_match_reference(data):
 def test_a_pool_larger_than_the_batch(data):
     """More slots than tokens (a decode batch on a large pool): the list is compact, and the
     kernels read only its first ``tokens`` entries, of the fewest or of one per slot."""
-    c = draw_case(data, slots=(9, 40), tokens=(1, 8))
+    store = data.draw(st.booleans(), label="store")
+    c = draw_case(data, slots=(9, 40), tokens=(1, 8), store=store)
     v = sgmv.lora_shrink(c.x, c.a, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, len(c.widths))
     y = c.outputs(data)
-    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, c.widths)
+    sgmv.lora_expand(y, v, c.b, c.scaling, c.rank, c.sorted_tokens, c.seg_start, c.seg_len, c.seg_slot, c.widths, store=store)
     c.check()
 
 
@@ -76,15 +79,17 @@ def test_column_align():
     assert sgmv.column_align((67,)) == 1
 
 
-def test_expand_moves_16_bytes_at_a_time():
+@pytest.mark.parametrize("store", [False, True], ids=["add", "store"])
+def test_expand_moves_16_bytes_at_a_time(store):
     """With aligned slice widths the expand's loads and stores of ``y`` and ``B`` are 16 bytes
-    wide in the code compiled for Hopper (2-byte ones made it several times slower)."""
+    wide in the code compiled for Hopper (2-byte ones made it several times slower), also where
+    it stores the delta and the zeros."""
     signature = dict.fromkeys(["rank_ptr", "slice_start_ptr", "sorted_ptr", "seg_start_ptr", "seg_len_ptr", "seg_slot_ptr"], "*i32")
     signature = {"y_ptr": "*bf16", "v_ptr": "*fp32", "b_ptr": "*bf16", "scaling_ptr": "*fp32", **signature}
-    signature.update(dict.fromkeys(["num_segs", *["y_off1", "y_off2", "y_off3", "stride_y0", "stride_y1", "stride_y2", "stride_y3", "stride_vt", "stride_bs", "stride_bn"]], "i32"))
+    signature.update(dict.fromkeys(["num_segs", "T", *["y_off1", "y_off2", "y_off3", "stride_y0", "stride_y1", "stride_y2", "stride_y3", "stride_vt", "stride_bs", "stride_bn"]], "i32"))
     constexprs = dict(
         MAX_RANK=16, NUM_SLICES=3, SEGS_P2=4, BLOCK_M=32, BLOCK_N=64, BLOCK_R=16, TILES=4, STAGES=2,
-        ALIGN=sgmv.column_align((4096, 1024, 1024)), IEEE=False, PDL=True, ROWS_LAST=False,
+        ALIGN=sgmv.column_align((4096, 1024, 1024)), IEEE=False, PDL=True, ROWS_LAST=False, STORE=store,
     )
     ops = ptx_memory_ops("fxlora.kernels.sgmv", "_expand_kernel", signature, constexprs)
     assert not any(op.endswith((".b16", ".b8")) for op in ops), ops

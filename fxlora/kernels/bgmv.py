@@ -4,10 +4,12 @@ With very few tokens the expand after the base GEMM is bound by the latency of i
 dependent loads, not by bytes. This kernel gives every program one token and lets it read its
 adapter straight from ``token_slot`` (as Punica's BGMV does), where the segmented expand of
 :mod:`fxlora.kernels.sgmv` first walks the segment table:
-``y[t, cols] += scaling[s] * B[s, cols] @ v[t]`` in place, ``v`` from the SGMV shrink.
+``y[t, cols] += scaling[s] * B[s, cols] @ v[t]`` in place, ``v`` from the SGMV shrink; with
+``store``, ``y[t, cols] = scaling[s] * B[s, cols] @ v[t]``, zeros where there is no delta.
 
 Multi-slice layout (``B`` stacking each slice's output rows, ``scaling`` / ``rank`` one value
-per (slot, slice)) as in :mod:`fxlora.kernels.sgmv`. Tokens without an adapter are not touched.
+per (slot, slice)) as in :mod:`fxlora.kernels.sgmv`. Tokens without an adapter are not touched
+(with ``store``: zeros).
 
 On Hopper and later the expand is launched as a programmatic dependent of the kernel before
 it (the base GEMM): it loads its token's slot and ``B`` while that kernel finishes, then waits
@@ -44,20 +46,24 @@ def _expand_kernel(
     y_off1, y_off2, y_off3, stride_y0, stride_y1, stride_y2, stride_y3,
     stride_vt, stride_bs, stride_bn,
     MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    ALIGN: tl.constexpr, PDL: tl.constexpr,
+    ALIGN: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t, sl = tl.program_id(0), tl.program_id(2)
     slot = tl.load(slot_ptr + t)
-    if slot < 0:
-        return
-    sl = tl.program_id(2)
-    rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
+    rank = tl.load(rank_ptr + tl.maximum(slot, 0) * NUM_SLICES + sl)
     col0, width = slice_columns(slice_start_ptr, sl, ALIGN)
     y_sl, stride_yt = slice_output(y_ptr, sl, (y_off1, y_off2, y_off3), (stride_y0, stride_y1, stride_y2, stride_y3))
-    if rank == 0 or tl.program_id(1) * BLOCK_N >= width:
+    if tl.program_id(1) * BLOCK_N >= width:
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < width
+    out = y_sl + t.to(tl.int64) * stride_yt + n
+    if slot < 0 or rank == 0:
+        if STORE:
+            if PDL:
+                gdc_wait()
+            tl.store(out, tl.zeros((BLOCK_N,), y_ptr.dtype.element_ty), mask=n_ok)
+        return
     cols = col0 + n
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
@@ -72,9 +78,11 @@ def _expand_kernel(
         gdc_wait()
     vs = tl.load(v_ptr + t.to(tl.int64) * stride_vt + sl * MAX_RANK + r, mask=r_ok, other=0.0)
     delta = tl.sum(b.to(tl.float32) * vs[None, :], 1) * scale
-    out = y_sl + t.to(tl.int64) * stride_yt + n
-    y = tl.load(out, mask=n_ok, other=0.0)
-    tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=n_ok)
+    if STORE:
+        tl.store(out, delta.to(y_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        y = tl.load(out, mask=n_ok, other=0.0)
+        tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=n_ok)
 
 
 def serves(tokens: int, max_rank: int, device: torch.device | None = None) -> bool:
@@ -96,11 +104,14 @@ def lora_expand(
     token_slot: torch.Tensor,
     slice_widths: tuple[int, ...] | None = None,
     config: ExpandConfig | None = None,
+    store: bool = False,
 ) -> None:
     """On Hopper and later the kernel starts before the one ahead of it has finished: ``y`` and
-    ``v`` are read after waiting for it, ``token_slot``, ``lora_b``, ``scaling`` and ``rank``
-    before, so they must not come from that kernel (in ``lora_linear`` they come from the
-    batch-info prologue and the pool, ahead of the base GEMM)."""
+    ``v`` are read (and written) after waiting for it, ``token_slot``, ``lora_b``, ``scaling``
+    and ``rank`` before, so they must not come from that kernel (in ``lora_linear`` they come
+    from the batch-info prologue and the pool, ahead of the base GEMM). ``store``: write each
+    token's delta (zeros for a token without an adapter, or in a rank-0 slot's slices) instead
+    of adding it to ``y``, which may hold anything before."""
     y, y_offsets, y_strides, widths = output_slices(y, slice_widths)
     tokens = y.shape[0]
     _, _, max_rank = lora_b.shape
@@ -111,6 +122,6 @@ def lora_expand(
         y, v, lora_b, scaling, rank, slice_starts(tuple(widths), y.device), token_slot,
         *y_offsets, *y_strides, v.stride(0), lora_b.stride(0), lora_b.stride(1),
         MAX_RANK=max_rank, NUM_SLICES=len(widths), BLOCK_N=cfg.block_n, BLOCK_R=launch_table.next_power_of_2(max_rank),
-        ALIGN=column_align(tuple(widths)),
+        ALIGN=column_align(tuple(widths)), STORE=store,
         num_warps=cfg.num_warps, **pdl_options(y.device),
     )

@@ -10,7 +10,9 @@ does:
 - expand: ``y[t, cols] += scaling[s] * v[t] @ B[s, cols].T``, in place, each program
   looping over a few column tiles with pipelined loads; beyond decode sizes programs take the
   row blocks from the last one back, so the rows of ``y`` that the GEMM wrote last, which are
-  still in L2, are read first.
+  still in L2, are read first. With ``store`` it writes the delta instead, ``y`` holding
+  anything before, and zeros in the rows of tokens without an adapter and in a rank-0 slot's
+  slices: ``y`` is then the delta alone, written once and never read.
 
 Several output slices of unequal width may share one input (fused ``qkv_proj``,
 ``gate_up_proj``, MLA's ``q_a_proj`` + ``kv_a_proj_with_mqa``): ``A`` then stacks each
@@ -35,7 +37,8 @@ Launch parameters come from :mod:`fxlora.kernels.launch_table`, per device and s
 
 Graph safety: the grids are sized for the worst case — ``cdiv(T, BLOCK_M)`` plus one per
 entry of the segment list they read — and a program with nothing to do (past its segment, a
-rank-0 slot) returns at once. Launches depend only on shapes, never on which adapters are present, so
+rank-0 slot) returns at once. With ``store`` the programs after every segment's blocks write
+the zeros of the rows without an adapter (:func:`_rest_block`): the grid holds them too. Launches depend only on shapes, never on which adapters are present, so
 they can be captured in a CUDA graph and replayed with other assignments.
 """
 
@@ -104,6 +107,37 @@ def _segment_block(pid, seg_start, seg_len, seg_slot, num_segs, SEGS_P2: tl.cons
     slot = tl.sum(tl.where(pick, slots, 0), 0)
     seg = tl.where(block * BLOCK_M < length, seg, num_segs)
     return seg, slot, block, start, length
+
+
+@triton.jit
+def _rest_block(pid, seg_start, seg_len, num_segs, T, SEGS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows without an adapter, which ``sorted_tokens`` holds after every segment's, as one
+    more segment after the list's: which block of them program ``pid`` handles and where they
+    lie, ``(block, start, length)``; ``block`` is negative, or past them, for programs before
+    or after it. They start where the list's last entry ends (an empty entry starts where the
+    no-adapter tokens begin), and their blocks are numbered as :func:`_segment_block` numbers
+    a segment's: after the others' blocks in a list of up to ``FANOUT`` entries, else from
+    program ``num_segs + start // BLOCK_M``. Either way the grid of
+    ``cdiv(T, BLOCK_M) + num_segs`` programs holds them: ``k`` non-empty segments and these
+    rows take fewer than ``T / BLOCK_M + k + 1`` blocks."""
+    start = tl.load(seg_start + num_segs - 1) + tl.load(seg_len + num_segs - 1)
+    if SEGS_P2 > FANOUT:
+        first = num_segs + start // BLOCK_M
+    else:
+        offs = tl.arange(0, SEGS_P2)
+        lens = tl.load(seg_len + offs, mask=offs < num_segs, other=0)
+        first = tl.sum((lens + BLOCK_M - 1) // BLOCK_M, 0)
+    return pid - first, start, T - start
+
+
+@triton.jit
+def _store_zeros(out_rows, row_ok, lo, width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr):
+    """Zeros into the columns ``lo`` to ``lo + BLOCK_N * TILES`` (within ``width``) of the
+    ``BLOCK_M`` rows at ``out_rows`` (pointers to their first column) where ``row_ok``."""
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), out_rows.dtype.element_ty)
+    for n0 in tl.range(lo, tl.minimum(lo + BLOCK_N * TILES, width), BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        tl.store(out_rows[:, None] + n[None, :], zeros, mask=row_ok[:, None] & (n < width)[None, :])
 
 
 @triton.jit
@@ -182,16 +216,16 @@ def _shrink_kernel(
         tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["num_segs"])
+@triton.jit(do_not_specialize=["num_segs", "T"])
 def _expand_kernel(
     y_ptr, v_ptr, b_ptr, scaling_ptr, rank_ptr, slice_start_ptr,
     sorted_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
-    num_segs,
+    num_segs, T,
     y_off1, y_off2, y_off3, stride_y0, stride_y1, stride_y2, stride_y3,
     stride_vt, stride_bs, stride_bn,
     MAX_RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SEGS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
-    ALIGN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, ROWS_LAST: tl.constexpr,
+    ALIGN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, ROWS_LAST: tl.constexpr, STORE: tl.constexpr,
 ):
     if PDL:  # launched before the kernel ahead finishes: wait for it before reading anything
         gdc_wait()
@@ -200,16 +234,28 @@ def _expand_kernel(
     else:  # row blocks from the last: the rows of y the GEMM wrote last are the likeliest still in L2
         pid, col_pid, sl = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seg, slot, block, start, length = _segment_block(pid, seg_start_ptr, seg_len_ptr, seg_slot_ptr, num_segs, SEGS_P2, BLOCK_M)
-    if seg >= num_segs:
-        return
-    rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
     col0, width = slice_columns(slice_start_ptr, sl, ALIGN)
     y_sl, stride_yt = slice_output(y_ptr, sl, (y_off1, y_off2, y_off3), (stride_y0, stride_y1, stride_y2, stride_y3))
     lo = col_pid * (BLOCK_N * TILES)  # this program's TILES column tiles
-    if rank == 0 or lo >= width:
+    if lo >= width:
         return
+    if seg >= num_segs:
+        if STORE:  # perhaps a block of the rows without an adapter: zeros
+            rest, rest_start, rest_len = _rest_block(pid, seg_start_ptr, seg_len_ptr, num_segs, T, SEGS_P2, BLOCK_M)
+            if rest >= 0 and rest * BLOCK_M < rest_len:
+                rows = rest * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_ok = rows < rest_len
+                tokens = tl.load(sorted_ptr + rest_start + rows, mask=row_ok, other=0).to(tl.int64)
+                _store_zeros(y_sl + tokens * stride_yt, row_ok, lo, width, BLOCK_M, BLOCK_N, TILES)
+        return
+    rank = tl.load(rank_ptr + slot * NUM_SLICES + sl)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < length
+    if rank == 0:
+        if STORE:
+            tokens = tl.load(sorted_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
+            _store_zeros(y_sl + tokens * stride_yt, row_ok, lo, width, BLOCK_M, BLOCK_N, TILES)
+        return
     tokens = tl.load(sorted_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
@@ -224,7 +270,6 @@ def _expand_kernel(
         n_ok = n < width
         out = y_sl + tokens[:, None] * stride_yt + n[None, :]
         mask = row_ok[:, None] & n_ok[None, :]
-        y = tl.load(out, mask=mask, other=0.0)
         # B[s] rows are contiguous along the rank: load them as stored, transpose in registers
         cols = col0 + n  # B stacks the slices' rows
         b = tl.load(b_base + cols[:, None].to(tl.int64) * stride_bn + r[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0.0)
@@ -232,7 +277,11 @@ def _expand_kernel(
             delta = tl.dot(vs, tl.trans(b.to(tl.float32)), input_precision="ieee")
         else:
             delta = tl.dot(vs, tl.trans(b))
-        tl.store(out, (y.to(tl.float32) + delta * scale).to(y.dtype), mask=mask)
+        if STORE:
+            tl.store(out, (delta * scale).to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            y = tl.load(out, mask=mask, other=0.0)
+            tl.store(out, (y.to(tl.float32) + delta * scale).to(y.dtype), mask=mask)
 
 
 @cache
@@ -367,7 +416,10 @@ def lora_expand(
     seg_slot: torch.Tensor,
     slice_widths: tuple[int, ...] | None = None,
     config: ExpandConfig | None = None,
+    store: bool = False,
 ) -> None:
+    """``store``: write each token's delta into ``y`` (holding anything before; zeros for a
+    token without an adapter and in a rank-0 slot's slices) instead of adding it."""
     y, y_offsets, y_strides, widths = output_slices(y, slice_widths)
     tokens = y.shape[0]
     _, _, max_rank = lora_b.shape
@@ -378,11 +430,11 @@ def lora_expand(
     _expand_kernel[grid](
         y, v, lora_b, scaling, rank, slice_starts(tuple(widths), y.device),
         sorted_tokens, seg_start, seg_len, seg_slot,
-        segs,
+        segs, tokens,
         *y_offsets, *y_strides, v.stride(0), lora_b.stride(0), lora_b.stride(1),
         MAX_RANK=max_rank, NUM_SLICES=len(widths), SEGS_P2=segments_p2(seg_len.numel(), tokens),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_p2(max_rank), TILES=cfg.tiles, STAGES=cfg.stages,
-        ALIGN=column_align(tuple(widths)), IEEE=y.dtype == torch.float32, ROWS_LAST=cfg.rows_last,
+        ALIGN=column_align(tuple(widths)), IEEE=y.dtype == torch.float32, ROWS_LAST=cfg.rows_last, STORE=store,
         num_warps=cfg.num_warps,
         **pdl_options(y.device),
     )

@@ -12,7 +12,8 @@ Every LoRA op of a graph reads the same metadata, computed once per token layout
   non-empty segment lies in the first ``min(T, num_slots)`` entries: the kernels' grids have
   a row of programs per entry and read only those. The compact list takes twice as many
   small kernels to build. Either way the starts ascend from 0, which the SGMV kernels' search
-  relies on. The list's length is the pool's, not the batch's, so that the op's output
+  relies on, and an empty entry after the last segment starts where the no-adapter tokens
+  begin, which is how the expand that stores (``sgmv.lora_expand(store=True)``) finds them. The list's length is the pool's, not the batch's, so that the op's output
   shapes never compare the token count with the slot count: a graph traced for one batch
   size serves every other.
 
@@ -173,8 +174,9 @@ def compact_segments(
     first = torch.ones_like(keys, dtype=torch.bool)
     first[1:] = keys[1:] != keys[:-1]
     seg = torch.cumsum(first, 0) - 1  # the segment of each sorted position
+    covered = (keys < num_slots).sum()  # where the no-adapter tokens begin, and the empty entries
     # one entry more than the list: the no-adapter tokens' run, last, may fall past its end
-    seg_start = torch.full((entries + 1,), count, dtype=torch.int64, device=device)
+    seg_start = covered.expand(entries + 1).clone()
     seg_start.scatter_reduce_(0, seg, torch.arange(count, device=device), "amin")
     seg_len = torch.zeros(entries + 1, dtype=torch.int32, device=device)
     seg_len.scatter_add_(0, seg, (keys < num_slots).to(torch.int32))  # no-adapter tokens form no segment

@@ -66,18 +66,18 @@ def delta_beside(
     overlap: bool,
 ) -> list[torch.Tensor]:
     """``base()`` (one output per slice), and the delta of every slice written into ``delta``
-    (``(..., sum(widths))``, zero for tokens without an adapter) instead of added onto them.
-    With ``overlap``, while a CUDA graph is captured, the delta (zeroing, shrink and expand)
-    runs on the side stream beside ``base`` and joins before this returns. ``delta`` and
-    ``workspace`` are allocated before the fork, so no work of the main stream still reads
-    their memory when the side stream writes it."""
+    (``(..., sum(widths))``, zero for tokens without an adapter) instead of added onto them:
+    the expand stores every element of it, so ``delta`` may hold anything before. With
+    ``overlap``, while a CUDA graph is captured, the delta (shrink and expand) runs on the
+    side stream beside ``base`` and joins before this returns. ``delta`` and ``workspace`` are
+    allocated before the fork, so no work of the main stream still reads their memory when the
+    side stream writes it."""
     x2 = kernel_rows(x, weights)
     rows = delta.view(-1, delta.shape[-1])
 
     def make() -> None:
-        rows.zero_()
         v = shrink_into(workspace, x2, weights, info, len(widths), 1)
-        expand_onto(rows, v, weights, info, widths if len(widths) > 1 else None)
+        expand_onto(rows, v, weights, info, widths if len(widths) > 1 else None, store=True)
 
     ys, _ = beside_base(x, base, make, overlap)
     return ys
@@ -114,15 +114,21 @@ def shrink_into(
 
 
 def expand_onto(
-    ys: torch.Tensor | list[torch.Tensor], v: torch.Tensor, weights: LoraWeights, info: BatchInfo, slice_widths: tuple[int, ...] | None
+    ys: torch.Tensor | list[torch.Tensor],
+    v: torch.Tensor,
+    weights: LoraWeights,
+    info: BatchInfo,
+    slice_widths: tuple[int, ...] | None,
+    store: bool = False,
 ) -> None:
-    """The expand of the shrink's result ``v`` onto rows ``ys``: per token (BGMV) for a
-    handful of tokens, else by segments (SGMV)."""
+    """The expand of the shrink's result ``v`` onto rows ``ys`` (``store``: into them, zeros
+    where there is no delta): per token (BGMV) for a handful of tokens, else by segments
+    (SGMV)."""
     _, lora_b, scaling, rank = weights
     if bgmv.serves(v.shape[0], lora_b.shape[-1], v.device):
-        bgmv.lora_expand(ys, v, lora_b, scaling, rank, info.token_slot, slice_widths)
+        bgmv.lora_expand(ys, v, lora_b, scaling, rank, info.token_slot, slice_widths, store=store)
     else:
-        sgmv.lora_expand(ys, v, lora_b, scaling, rank, *info.segments, slice_widths)
+        sgmv.lora_expand(ys, v, lora_b, scaling, rank, *info.segments, slice_widths, store=store)
 
 
 def capturing(x: torch.Tensor) -> bool:
