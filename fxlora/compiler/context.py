@@ -42,7 +42,9 @@ class PassContext:
     inputs: list | None = None  # the real values of the graph's placeholders (Dynamo's example inputs)
     modules: ModuleTree | None = None  # the traced model's module tree, when known
     decode_attention: bool = False  # rewrite decode-step SDPA over the KV cache (for code run on CUDA)
-    shrink_ahead: bool = False  # issue lora_delta's shrink before the traced base (for CUDA graphs' code)
+    # for code captured in CUDA graphs (decode steps, prefills): plain linears' delta made beside
+    # their GEMMs (lora_linear_beside), and lora_delta's shrink issued before the traced base
+    shrink_ahead: bool = False
     batch: object = None  # the input whose first dimension is the batch's rows (a real tensor), when known
     # module FQN as traced -> the module a reused graph runs for (another instance of its code)
     renamed: dict[str, str] | None = None

@@ -126,7 +126,10 @@ class Backend:
     def _context(self, inputs: list[Any], inner: str, renamed: dict[str, str] | None = None) -> PassContext:
         """The passes' context for a graph whose placeholders get ``inputs``, compiled by ``inner``."""
         selection, on_cuda = current_selection(), _first_device(inputs).type == "cuda"
-        captured = self.cuda_graphs or _role.get() == "decode step"  # what the runtime replays as CUDA graphs
+        # what the runtime replays as CUDA graphs: decode steps, and prefills wherever their shape
+        # is captured (the same trace runs eagerly elsewhere: the delta made beside the GEMMs
+        # moves there the bytes the in-place one does, and adds no launch)
+        captured = self.cuda_graphs or _role.get() in ("decode step", "prefill")
         return PassContext(
             self.pool,
             arena=self.arena if inner == "eager" else None,  # Inductor plans the graph's memory itself
