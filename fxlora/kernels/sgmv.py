@@ -38,8 +38,9 @@ Launch parameters come from :mod:`fxlora.kernels.launch_table`, per device and s
 Graph safety: the grids are sized for the worst case — ``cdiv(T, BLOCK_M)`` plus one per
 entry of the segment list they read — and a program with nothing to do (past its segment, a
 rank-0 slot) returns at once. With ``store`` the programs after every segment's blocks write
-the zeros of the rows without an adapter (:func:`_rest_block`): the grid holds them too. Launches depend only on shapes, never on which adapters are present, so
-they can be captured in a CUDA graph and replayed with other assignments.
+the zeros of the rows without an adapter (:func:`_rest_block`): the grid holds them too.
+Launches depend only on shapes, never on which adapters are present, so they can be captured
+in a CUDA graph and replayed with other assignments.
 """
 
 from __future__ import annotations
@@ -270,6 +271,8 @@ def _expand_kernel(
         n_ok = n < width
         out = y_sl + tokens[:, None] * stride_yt + n[None, :]
         mask = row_ok[:, None] & n_ok[None, :]
+        if not STORE:
+            y = tl.load(out, mask=mask, other=0.0)
         # B[s] rows are contiguous along the rank: load them as stored, transpose in registers
         cols = col0 + n  # B stacks the slices' rows
         b = tl.load(b_base + cols[:, None].to(tl.int64) * stride_bn + r[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0.0)
@@ -280,7 +283,6 @@ def _expand_kernel(
         if STORE:
             tl.store(out, (delta * scale).to(y_ptr.dtype.element_ty), mask=mask)
         else:
-            y = tl.load(out, mask=mask, other=0.0)
             tl.store(out, (y.to(tl.float32) + delta * scale).to(y.dtype), mask=mask)
 
 
