@@ -11,9 +11,9 @@ either family's expand, to place the token count where one hands over to the oth
 ``expand_in_context`` the expands of both families right after the GEMM, at decode shapes;
 ``segmented_expand_in_context`` the segmented expand's parameters there, at the 8B model's
 shapes, each layer's factors read from HBM as a model's are; ``delta_beside`` the whole linear
-as ``lora_linear`` runs it (the expand in place after the GEMM) against the delta made wholly
-on the side stream into a buffer of its own that the output's consumer adds (one pointwise
-kernel either way), at those shapes.
+with the expand in place after the GEMM against the delta made wholly on the side stream into
+a buffer of its own (zeroed first, or stored whole by the expand, as ``lora_linear_beside``
+makes it) that the output's consumer adds (one pointwise kernel either way), at those shapes.
 """
 
 from __future__ import annotations
@@ -267,13 +267,15 @@ def segmented_expand_in_context_case(tokens, adapters, widths) -> None:
 
 
 def delta_beside() -> None:
-    """Where the expand runs. Today's order: the GEMM on the main stream, the shrink beside it
-    on the side stream, then the expand in place on the main stream, then the output's
-    consumer (a pointwise kernel). Beside: the shrink and an expand into a zeroed buffer of
-    the delta, both on the side stream while the GEMM runs, then the consumer adding the delta
-    (the pointwise kernel an Inductor graph would fuse the add into). Per linear, weights and
-    factors read from HBM, the 8B model's shapes, 16 adapters of rank 16."""
-    for widths, tokens in itertools.product(((14336, 14336), (4096, 1024, 1024), (4096,)), (1, 32, 128)):
+    """Where the expand runs. In place: the GEMM on the main stream, the shrink beside it on
+    the side stream, then the expand in place on the main stream, then the output's consumer
+    (a pointwise kernel). Beside: the shrink and an expand into a buffer of the delta, both on
+    the side stream while the GEMM runs, then the consumer adding the delta (the pointwise
+    kernel an Inductor graph fuses the add into); the buffer zeroed before an expand that adds
+    onto it, or not, the expand storing every element (``store=True``, as
+    ``lora_linear_beside`` runs it). Per linear, weights and factors read from HBM, the 8B
+    model's shapes, 16 adapters of rank 16, decode and prefill token counts."""
+    for widths, tokens in itertools.product(((14336, 14336), (4096, 1024, 1024), (4096,)), (1, 32, 128, 2048)):
         delta_beside_case(tokens, 16, widths)
 
 
@@ -285,18 +287,15 @@ def delta_beside_case(tokens, adapters, widths) -> None:
     side = torch.cuda.Stream()
     per_token = bgmv.serves(tokens, 16, x.device)
 
-    def expand(y, cb):
+    def expand(y, cb, store=False):
         if per_token:
-            bgmv.lora_expand(y, ws, cb, scaling, ranks, slot, sliced)
+            bgmv.lora_expand(y, ws, cb, scaling, ranks, slot, sliced, store=store)
         else:
-            sgmv.lora_expand(y, ws, cb, scaling, ranks, order, start, length, seg_slot, sliced)
+            sgmv.lora_expand(y, ws, cb, scaling, ranks, order, start, length, seg_slot, sliced, store=store)
 
-    out = torch.empty(tokens, sum(widths), device="cuda").bfloat16()
-    deltas = {dtype: torch.empty(tokens, sum(widths), device="cuda", dtype=dtype) for dtype in (torch.bfloat16, torch.float32)}
+    out, delta = (torch.empty(tokens, sum(widths), device="cuda").bfloat16() for _ in range(2))
 
-    def linear(beside: bool, dtype: torch.dtype):
-        d = deltas[dtype]
-
+    def linear(mode: str):
         def run():
             for cx, cw, ca, cb in copies:
                 main, ready = torch.cuda.current_stream(), torch.cuda.Event()
@@ -305,22 +304,22 @@ def delta_beside_case(tokens, adapters, widths) -> None:
                 side.wait_event(ready)
                 with torch.cuda.stream(side):
                     sgmv.lora_shrink(cx, ca, ranks, order, start, length, seg_slot, slices, out=ws)
-                    if beside:
-                        expand(d.zero_(), cb)
+                    if mode == "zeroed":
+                        expand(delta.zero_(), cb)
+                    elif mode == "stored":
+                        expand(delta, cb, store=True)
                 main.wait_stream(side)
-                if beside:
-                    torch.add(y, d, out=out)  # the consumer, the add fused in
-                else:
+                if mode == "in place":
                     expand(y, cb)
                     torch.mul(y, 1.0, out=out)  # the consumer
+                else:
+                    torch.add(y, delta, out=out)  # the consumer, the add fused in
 
         return run
 
     base = us(lambda: [torch.mul(torch.nn.functional.linear(cx, cw), 1.0, out=out) for cx, cw, _, _ in copies]) / len(copies)
-    today = us(linear(False, torch.bfloat16)) / len(copies)
-    cells = [f"{name} {us(linear(True, dtype)) / len(copies) - base:.1f}" for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))]
-    print(f"T={tokens} widths={widths}: GEMM + consumer {base:.1f}us; LoRA adds: in place {today - base:.1f}us, "
-          f"beside with a delta in " + ", ".join(cells) + "us", flush=True)  # fmt: skip
+    cells = [f"{mode} {us(linear(mode)) / len(copies) - base:.1f}" for mode in ("in place", "zeroed", "stored")]
+    print(f"T={tokens} widths={widths}: GEMM + consumer {base:.1f}us; LoRA adds (us): " + ", ".join(cells), flush=True)
 
 
 def switch_case(tokens, adapters, rank) -> None:
