@@ -13,9 +13,10 @@ Every LoRA op of a graph reads the same metadata, computed once per token layout
   a row of programs per entry and read only those. The compact list takes twice as many
   small kernels to build. Either way the starts ascend from 0, which the SGMV kernels' search
   relies on, and an empty entry after the last segment starts where the no-adapter tokens
-  begin, which is how the expand that stores (``sgmv.lora_expand(store=True)``) finds them. The list's length is the pool's, not the batch's, so that the op's output
-  shapes never compare the token count with the slot count: a graph traced for one batch
-  size serves every other.
+  begin, which is how the expand that stores (``sgmv.lora_expand(store=True)``) finds them.
+  The list's length is the pool's, not the batch's, so that the op's output shapes never
+  compare the token count with the slot count: a graph traced for one batch size serves
+  every other.
 
 That is the reference, a dozen or two small ATen kernels. On CUDA a batch of up to
 ``slot_sort.MAX_TOKENS`` tokens takes one Triton launch instead, which always builds the
