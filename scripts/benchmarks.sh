@@ -7,7 +7,7 @@
 # The stream and tier benchmarks run only when named (BENCHMARKS="stream stream_base tiers"); so do
 # the stream's whole generate_batch calls (stream_calls, stream_calls_8b, stream_calls_moe; a second run of the same
 # entry, e.g. stream_calls_warm, finds Inductor's and Triton's caches filled: the warm setup) and
-# the 8B decode step's profile (profile_8b) and where the stream's setup goes (setup_stream, setup_stream_8b).
+# the decode step's profile (profile_8b, profile_1b), the stream's prefill's (profile_prefill) and where the stream's setup goes (setup_stream, setup_stream_8b).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
@@ -35,6 +35,8 @@ declare -A RUNS=(
     [stream_calls_8b_warm]="generate.py --model llama8b --systems fxlora --stream"
     [stream_calls_moe]="generate.py --model qwen3_moe --systems fxlora --stream"
     [profile_8b]="profile_step.py --model llama8b --batch 1,32,128 --inner inductor"
+    [profile_1b]="profile_step.py --model llama --batch 1,32,128 --inner inductor"
+    [profile_prefill]="profile_step.py --model llama --batch 32 --prefill 128 --stream --inner inductor"
     [setup_stream]="setup_time.py --stream"
     [setup_stream_8b]="setup_time.py --model llama8b --stream"
     [tiers]="tiers.py --slots 256,16,64"
