@@ -103,6 +103,10 @@ CASES["phi3"] = dict(
 # the same MoE model with its experts split between the ranks (expert parallelism), the rest
 # tensor-parallel as above; both variants compiled by Inductor, as on CUDA
 CASES["moe-ep"] = dict(CASES["moe"], distributed={"tp_size": 2, "ep_size": 2}, inner="inductor")
+# the dense model with its graphs rewritten as for CUDA graphs (``shrink_ahead``): each plain
+# linear's delta apart (lora_linear_beside) and added to its rank's share of the output, before
+# a row-parallel linear's all-reduce sums the shares
+CASES["dense-beside"] = dict(CASES["dense"], as_on_cuda=True, embedding=False)
 
 
 def peft_rows(model, directory: Path, names: list[str | None], ids: torch.Tensor) -> torch.Tensor:
@@ -129,6 +133,7 @@ def _run_case(case_name: str, tmp_path_factory) -> tuple:
     script = {
         "distributed": spec.get("distributed", {"tp_plan": "auto"}),
         "inner": spec.get("inner", "eager"),
+        "as_on_cuda": spec.get("as_on_cuda", False),
         "adapters": ["a", "b"],
         "target_modules": spec["target_modules"],
         "first": ["a", None, "b", "a"],
@@ -166,7 +171,9 @@ def check_every_target_is_served_on_every_rank(case):
         assert {report["local_out"][fqn] for _, report in ranks} == widths
     for _, report in ranks:
         assert report["not_served"] == []
-        if report["graphs"] == 1 and CASES[name].get("fused", True):  # q/k/v read one input, sharded or not
+        if CASES[name].get("as_on_cuda"):
+            assert "fxlora::lora_linear_beside" in report["ops"]
+        elif report["graphs"] == 1 and CASES[name].get("fused", True):  # q/k/v read one input, sharded or not
             assert "fxlora::lora_linear_fused" in report["ops"]  # (older transformers break the graph)
         assert ("fxlora::moe_lora" in report["ops"]) == name.startswith("moe")
         assert "note: tensor parallel: rank" in report["explain"] and "Not served:\n  nothing" in report["explain"]

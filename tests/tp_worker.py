@@ -4,7 +4,8 @@ these with ``torch.distributed.run``, gloo on CPU).
 Loads the model saved in ``DIR/model`` sharded with transformers' own plan, compiles it with
 the adapters ``DIR/a`` and ``DIR/b``, and runs the script ``DIR/script.json`` names: mixed
 batches, a load, an unload, a load that fails on one rank only, a ``generate``, the stream, and a
-mixed batch with an adapter on the embedding. Each
+mixed batch with an adapter on the embedding; with ``as_on_cuda``, every graph rewritten as for
+CUDA graphs (``PassContext.shrink_ahead``). Each
 rank writes what it saw to ``RESULTS/rank<N>.safetensors`` and ``RESULTS/rank<N>.json``.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py DIR RESULTS
@@ -12,6 +13,7 @@ rank writes what it saw to ``RESULTS/rank<N>.safetensors`` and ``RESULTS/rank<N>
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import faulthandler
 import inspect
@@ -26,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import fxlora
+from fxlora.runtime.backend import Backend
 
 
 def pool_state(cm: fxlora.CompiledModel) -> list[torch.Tensor]:
@@ -56,6 +59,9 @@ def main(directory: str, results: str) -> None:
     script = json.load(open(f"{directory}/script.json"))
     inputs = load_file(f"{directory}/inputs.safetensors")
     config = distributed_config(script["distributed"])
+    if script["as_on_cuda"]:  # the passes as they rewrite code captured in CUDA graphs
+        context = Backend._context
+        Backend._context = lambda self, *args, **kwargs: dataclasses.replace(context(self, *args, **kwargs), shrink_ahead=True)
     model = AutoModelForCausalLM.from_pretrained(f"{directory}/model", distributed_config=config, dtype=torch.float32).eval()
     cm = fxlora.compile(
         model,
