@@ -62,7 +62,10 @@ def close(out: torch.Tensor, ref: torch.Tensor) -> float:
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 CASES = {
     # a Llama-shaped model: q/k/v, gate/up and the output head column-parallel, o_proj and
-    # down_proj row-parallel; adapters of different ranks and targets
+    # down_proj row-parallel; adapters of different ranks and targets. Its graphs are rewritten
+    # as for CUDA graphs (``shrink_ahead``): each plain linear's delta apart (lora_linear_beside)
+    # and added to its rank's share of the output, before a row-parallel linear's all-reduce
+    # sums the shares; the other cases keep the in-place ops that code run on the CPU gets
     "dense": dict(
         family="llama",
         adapters={
@@ -74,6 +77,7 @@ CASES = {
         intermediate_size=49,  # gate/up and down_proj split unevenly: 25 features on one rank, 24 on the other
         widths={"model.layers.0.mlp.gate_proj": {25, 24}},
         embedding=True,  # an adapter on the embedding too, which transformers 5.2x's plan splits over its vocabulary
+        as_on_cuda=True,
     ),
     # a Qwen3-MoE-shaped model: the experts sharded over their intermediate features (gate_up's
     # halves each split, down_proj split by input), the router replicated; PEFT's all-linear
@@ -103,10 +107,6 @@ CASES["phi3"] = dict(
 # the same MoE model with its experts split between the ranks (expert parallelism), the rest
 # tensor-parallel as above; both variants compiled by Inductor, as on CUDA
 CASES["moe-ep"] = dict(CASES["moe"], distributed={"tp_size": 2, "ep_size": 2}, inner="inductor")
-# the dense model with its graphs rewritten as for CUDA graphs (``shrink_ahead``): each plain
-# linear's delta apart (lora_linear_beside) and added to its rank's share of the output, before
-# a row-parallel linear's all-reduce sums the shares
-CASES["dense-beside"] = dict(CASES["dense"], as_on_cuda=True, embedding=False)
 
 
 def peft_rows(model, directory: Path, names: list[str | None], ids: torch.Tensor) -> torch.Tensor:
