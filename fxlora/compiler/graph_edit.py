@@ -169,13 +169,25 @@ def reads_wrapped_tensor(node: fx.Node) -> bool:
     return any(is_traceable_wrapper_subclass(meta_value(a)) for a in node.all_input_nodes)
 
 
-def module_region(gm: fx.GraphModule, owner: str) -> list[fx.Node]:
+def module_nodes(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Every module's call nodes, as ``annotate`` attributed them to it or its submodules, in
+    graph order: one walk of the graph for the regions of all its modules."""
+    index: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        fqn = n.meta.get("fxlora_module") if n.op.startswith("call") else None
+        if fqn is not None:
+            parts = fqn.split(".")
+            for depth in range(1, len(parts) + 1):
+                index.setdefault(".".join(parts[:depth]), []).append(n)
+    return index
+
+
+def module_region(gm: fx.GraphModule, owner: str, index: dict[str, list[fx.Node]] | None = None) -> list[fx.Node]:
     """The call nodes ``annotate`` attributed to module ``owner`` or its submodules, in graph
     order, less the size arithmetic among them: values that are not tensors, computed from the
     region's inputs alone (SymInts under dynamic shapes), which code after the region may
-    reuse, so they stay where they are."""
-    inside = lambda fqn: fqn is not None and (fqn == owner or fqn.startswith(owner + "."))  # noqa: E731
-    region = [n for n in gm.graph.nodes if n.op.startswith("call") and inside(n.meta.get("fxlora_module"))]
+    reuse, so they stay where they are. ``index``: :func:`module_nodes` of the graph as it is."""
+    region = (index if index is not None else module_nodes(gm)).get(owner, [])
     nodes, sizes = set(region), set()
     for n in region:
         if not isinstance(meta_value(n), torch.Tensor) and all(a not in nodes or a in sizes for a in n.all_input_nodes):

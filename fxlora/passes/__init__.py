@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from fxlora.compiler import progress
 from fxlora.compiler.calls import called_targets, instance_parameters
@@ -68,9 +69,13 @@ class Variants:
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose Python code is generated when it first runs, or its code is read:
+    the passes' ``recompile`` after each rewrite then costs nothing, where generating and
+    compiling the code of a whole model's graph takes a tenth of a second or more each time."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(gm, graph)
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> Variants:

@@ -61,6 +61,7 @@ from fxlora.compiler.graph_edit import (
     meta_shape,
     meta_value,
     module_calls,
+    module_nodes,
     module_region,
     moves_data,
     parameter_read,
@@ -88,14 +89,14 @@ class Region:
 
 
 def lora_linear(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    values = input_values(gm, ctx)
+    values, index = input_values(gm, ctx), module_nodes(gm)
     plain, refused = _plain_linears(gm, ctx)
     readers: dict[fx.Node, list[Region]] = defaultdict(list)
     for fqn, target in ctx.pool.targets.items():
         if target.info.kind != "linear":
             continue
         try:
-            regions = _regions(gm, target, values, plain.get(fqn, []), refused.get(fqn))
+            regions = _regions(gm, target, values, index, plain.get(fqn, []), refused.get(fqn))
         except NotServed as why:
             ctx.leave_traced(fqn, str(why))
             continue
@@ -140,15 +141,16 @@ def _plain_linears(gm: fx.GraphModule, ctx: PassContext) -> tuple[dict[str, list
 
 
 def _regions(
-    gm: fx.GraphModule, target: PoolTarget, values: dict, linears: list[fx.Node], refused: str | None
+    gm: fx.GraphModule, target: PoolTarget, values: dict, index: dict, linears: list[fx.Node], refused: str | None
 ) -> list[Region]:
-    """The regions of ``target``'s calls in ``gm`` (none if the graph does not call it); raises
-    :class:`NotServed` when one does not fit a linear."""
+    """The regions of ``target``'s calls in ``gm`` (none if the graph does not call it; ``index``:
+    its modules' nodes, :func:`module_nodes`); raises :class:`NotServed` when one does not fit
+    a linear."""
     if target.info.parameter is not None:  # the module's linear calls that read the parameter
         if refused is not None:
             raise NotServed(refused)
         return [Region(target, [n], _linear_input(n), n, n) for n in linears]
-    nodes = module_region(gm, target.fqn)
+    nodes = module_region(gm, target.fqn, index)
     regions = []
     for call in module_calls(target.fqn, nodes) if nodes else []:
         inside = set(call)
