@@ -10,7 +10,7 @@ from toy_graphs import toy_expected, toy_graph, toy_pool
 import fxlora.passes
 from fxlora.adapters import AdapterPool, model_modules
 from fxlora.compiler.context import PassContext
-from fxlora.compiler.graph_edit import parameter_read
+from fxlora.compiler.graph_edit import module_nodes, module_region, parameter_read
 from fxlora.compiler.module_tree import module_fqn
 from fxlora.compiler.operands import MAX_MEMBERS
 from fxlora.compiler.rows import SLOT_IDS
@@ -226,6 +226,28 @@ def test_pipeline_on_a_traced_model():
         tuple(f"{layer}.self_attn.{p}_proj" for p in "qkv"),
         tuple(f"{layer}.mlp.{p}_proj" for p in ("gate", "up")),
     }
+
+
+def test_module_regions_from_one_walk_equal_a_scan_each():
+    """The linear pass's index of every module's nodes (one walk of the graph) gives each
+    module, and each parent of one, the region a scan of the graph for it gives."""
+    model = tiny_model("qwen3")
+    pool = AdapterPool(max_loras=2, max_rank=4, target_modules=lora_module_names(model))
+    checked = []
+
+    def backend(gm, example_inputs):
+        annotate(gm, PassContext(pool))
+        index = module_nodes(gm)
+        owners = {n.meta["fxlora_module"] for n in gm.graph.nodes if n.meta.get("fxlora_module") is not None}
+        for owner in sorted(owners | {o.rpartition(".")[0] for o in owners} | {"model.layers.1.mlp.up", "absent"}):
+            assert module_region(gm, owner, index) == module_region(gm, owner), owner
+            checked.append(owner)
+        assert any(n.target is F.linear for n in module_region(gm, "model.layers.0.self_attn.q_proj", index))
+        return gm
+
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(input_ids=torch.randint(3, 96, (2, 5)))
+    assert "model.layers.1.mlp" in checked and "model.layers.0.self_attn.q_proj" in checked
 
 
 class _OutputFirst(torch.nn.Module):

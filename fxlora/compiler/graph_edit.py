@@ -187,7 +187,11 @@ def module_region(gm: fx.GraphModule, owner: str, index: dict[str, list[fx.Node]
     order, less the size arithmetic among them: values that are not tensors, computed from the
     region's inputs alone (SymInts under dynamic shapes), which code after the region may
     reuse, so they stay where they are. ``index``: :func:`module_nodes` of the graph as it is."""
-    region = (index if index is not None else module_nodes(gm)).get(owner, [])
+    if index is not None:
+        region = index.get(owner, [])
+    else:
+        inside = lambda fqn: fqn is not None and (fqn == owner or fqn.startswith(owner + "."))  # noqa: E731
+        region = [n for n in gm.graph.nodes if n.op.startswith("call") and inside(n.meta.get("fxlora_module"))]
     nodes, sizes = set(region), set()
     for n in region:
         if not isinstance(meta_value(n), torch.Tensor) and all(a not in nodes or a in sizes for a in n.all_input_nodes):
