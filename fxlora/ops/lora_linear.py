@@ -42,6 +42,11 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
+def _each_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """Every member's own ``F.linear`` of ``x``."""
+    return [_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+
+
 @torch.library.custom_op("fxlora::lora_linear", mutates_args=("workspace",))
 def lora_linear(
     x: torch.Tensor,
@@ -95,7 +100,7 @@ def lora_linear_fused(
     (:func:`sliced_delta_reference`). The shrink's scratch is allocated inside: a
     functionalised graph (Inductor's) can hold an op that mutates an input only when it
     returns single tensors, not a list."""
-    ys = [_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    ys = _each_linear(x, weights, biases)
     rows = [y.view(-1, y.shape[-1]) for y in ys]
     sliced_delta_reference(rows, x.reshape(-1, x.shape[-1]), LoraWeights(*lora), BatchInfo(*batch).token_slot)
     return ys
@@ -111,7 +116,7 @@ def lora_linear_fused_triton(
 ) -> list[torch.Tensor]:
     """Every member's GEMM, then one shrink and one expand that update all their outputs
     (``overlap`` as in :func:`lora_linear_triton`)."""
-    base = lambda: [_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # noqa: E731
+    base = lambda: _each_linear(x, weights, biases)  # noqa: E731
     widths = tuple(w.shape[0] for w in weights)
     factors, info = LoraWeights(*lora), BatchInfo(*batch)
     workspace = lora_workspace(x, factors.lora_a)
@@ -130,7 +135,7 @@ def lora_linear_beside(
     ``(..., sum of their widths)`` in their dtype: member ``i``'s columns in the multi-slice
     layout's order, zero for tokens without an adapter. ``lora_linear_fused``'s outputs are
     each member's output plus its columns of the delta."""
-    ys = [_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    ys = _each_linear(x, weights, biases)
     delta = x.new_zeros((*x.shape[:-1], sum(y.shape[-1] for y in ys)), dtype=ys[0].dtype)
     columns = list(delta.view(-1, delta.shape[-1]).split([y.shape[-1] for y in ys], -1))
     sliced_delta_reference(columns, x.reshape(-1, x.shape[-1]), LoraWeights(*lora), BatchInfo(*batch).token_slot)
@@ -147,7 +152,7 @@ def lora_linear_beside_triton(
 ) -> list[torch.Tensor]:
     """Every member's GEMM; the delta's shrink and expand on the side stream beside them while
     a CUDA graph is captured (``overlap``), joined before the op returns."""
-    base = lambda: [_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # noqa: E731
+    base = lambda: _each_linear(x, weights, biases)  # noqa: E731
     widths = tuple(w.shape[0] for w in weights)
     factors, info = LoraWeights(*lora), BatchInfo(*batch)
     delta = torch.empty((*x.shape[:-1], sum(widths)), dtype=torch.promote_types(x.dtype, weights[0].dtype), device=x.device)
