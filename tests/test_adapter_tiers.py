@@ -11,9 +11,12 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from peft import LoraConfig
 
 import fxlora
+from fxlora.adapters import pool
 from fxlora.testing import make_adapter, peft_model_with, reference_generate, reference_logits, tiny_model
 
 TARGETS = [["q_proj", "v_proj"], ["k_proj", "o_proj", "down_proj"], ["q_proj", "up_proj", "gate_proj"], ["v_proj", "down_proj"]]
@@ -171,3 +174,27 @@ def test_two_calls_waiting_for_one_adapter_place_it_once(model, many):
     for slots, _ in results:
         cm.pool.release(slots)
     assert cm.pool._pins == [0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_factors_packed_into_few_host_buffers_keep_their_values(data):
+    """The host tier's copies of an adapter's factors (pinned on CUDA, in a few allocations):
+    each equals its tensor, and no buffer holds more than ``PACK_BYTES`` but one tensor larger
+    than that."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+    shapes = data.draw(st.lists(st.tuples(st.integers(0, 24), st.integers(1, 40)), min_size=1, max_size=12))
+    tensors = []
+    for i, (rows, cols) in enumerate(shapes):
+        t = torch.randn(cols, rows, generator=torch.Generator().manual_seed(i)).t()  # not contiguous
+        dtype = data.draw(st.sampled_from(dtypes))
+        tensors.append((t * 50).to(dtype) if dtype == torch.int8 else t.to(dtype))
+    buffers = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pool, "PACK_BYTES", 2048)  # several buffers, and tensors larger than one
+        copies = pool.packed_copies(tensors, lambda n: buffers.append(torch.full((n,), 255, dtype=torch.uint8)) or buffers[-1])
+    assert all(torch.equal(c, t) and c.dtype == t.dtype for c, t in zip(copies, tensors, strict=True))
+    assert sum(b.numel() for b in buffers) < sum(t.nbytes for t in tensors) + 64 * len(tensors)
+    for b in buffers:
+        held = [c for c in copies if c.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()]
+        assert held and (b.numel() <= 2048 or len(held) == 1)
