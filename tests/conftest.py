@@ -28,7 +28,10 @@ settings.load_profile("fxlora")
 def pytest_collection_modifyitems(items):
     """Tests marked ``long`` (half a minute or more on two CPU cores) first, in their order: under
     pytest-xdist the short ones then fill in around them, instead of a long one ending the run
-    alone."""
+    alone. A test whose name or parameters say ``inductor`` is marked ``inductor``."""
+    for item in items:
+        if "inductor" in item.name.lower():
+            item.add_marker(pytest.mark.inductor)
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 

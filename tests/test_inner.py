@@ -17,6 +17,8 @@ import fxlora
 from fxlora.testing import make_adapter, tiny_model
 from fxlora.testing.oracle import assert_matches_peft, merged_model
 
+pytestmark = pytest.mark.inductor  # Inductor compiles the graphs of nearly every test here
+
 
 def test_inductor_serves_a_mixed_batch_and_a_later_load():
     model = tiny_model("llama", seed=3)
@@ -91,6 +93,7 @@ from peft import LoraConfig
 from torch._dynamo.utils import counters
 import fxlora
 from fxlora.testing import make_adapter, tiny_model
+
 model = tiny_model("llama", seed=4)
 a = make_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), 1, "")
 cm = fxlora.compile(model, adapters={"a": a}, max_loras=2, max_rank=4, inner="inductor")

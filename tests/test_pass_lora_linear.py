@@ -176,6 +176,7 @@ def test_the_shrink_goes_before_the_base_for_code_run_on_cuda():
     check_against_peft(model, adapters, variants, inputs, pool, h)
 
 
+@pytest.mark.inductor
 def test_plain_linears_in_captured_code_get_their_delta_beside_and_added_by_the_graph():
     """With ``shrink_ahead`` a group of plain linears (q, k, v) and a single one (o) each become
     one fxlora::lora_linear_beside, whose delta columns the graph adds onto each output; the

@@ -4,6 +4,7 @@ with writes into the graph's inputs between them; a layer whose code differs (an
 some layers only) is compiled apart; a graph without a layer list is compiled whole, and so is
 one whose split would have to run a recorded context manager to learn its value."""
 
+import pytest
 import torch
 import torch.fx as fx
 from peft import LoraConfig
@@ -16,6 +17,8 @@ from fxlora.compiler.inner import compile_inner
 from fxlora.compiler.module_tree import module_fqn
 from fxlora.testing import make_adapter, tiny_model
 from fxlora.testing.oracle import assert_matches_peft
+
+pytestmark = pytest.mark.inductor  # Inductor compiles the graphs of nearly every test here
 
 
 def _regions(cm) -> str:
