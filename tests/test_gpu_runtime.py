@@ -18,6 +18,7 @@ from fxlora.runtime import Backend
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.testing import (
     assert_greedy_agrees,
+    assert_matches_peft,
     lora_module_names,
     make_adapter,
     peft_model_with,
@@ -373,3 +374,24 @@ def test_a_dropped_compiled_model_releases_the_graphs_it_captured():
     del cm
     gc.collect()
     assert dropped() is None and engine() is None and runtime() is None
+
+
+def test_the_host_tier_pins_each_adapter_in_few_buffers_and_pages_from_them():
+    """On CUDA the host tier holds an adapter's factors pinned, packed into buffers of up to
+    ``PACK_BYTES`` (one for a small model's); adapters paged into the one slot from there in
+    turn give PEFT's rows."""
+    torch._dynamo.reset()
+    cpu_model = tiny_model("llama", seed=2, hidden_size=64, intermediate_size=160, vocab_size=200)
+    adapters = {
+        n: make_adapter(cpu_model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"), seed=i, directory="", scale=0.3)
+        for i, (n, r) in enumerate([("a", 8), ("b", 4)])
+    }
+    model = copy.deepcopy(cpu_model).to("cuda")
+    cm = fxlora.compile(model, adapters, max_loras=1, max_rank=8)
+    for name in adapters:
+        factors = [t for f in cm.pool.adapters[name].modules.values() for t in (f.a, f.b)]
+        assert all(t.is_pinned() for t in factors)
+        assert len({t.untyped_storage().data_ptr() for t in factors}) == 1
+    ids = torch.randint(3, 200, (2, 6), device="cuda")
+    for name in ("b", "a", "b"):
+        assert_matches_peft(cm, model, adapters, [name, None], input_ids=ids)
