@@ -60,8 +60,6 @@ import time
 import torch
 import transformers
 
-from fxlora.runtime.scheduler import PREEMPT_AFTER
-
 PROMPTS, NEW_MIN, MAX_LEN, ROWS = (32, 512), 16, 1024, 128
 ZIPF_S, CONTEXT, STEPS, REPEATS = 1.1, 512, 64, 3
 BATCHES, ROW_ADAPTERS, COPIES = (1, 32, 128), 8, 16
@@ -121,7 +119,7 @@ def run_slots(slots: int, args: argparse.Namespace) -> None:
     del adapters  # the pool holds them: in slots, and pinned on the host
     torch.cuda.empty_cache()
     result["load_s"] = time.perf_counter() - start
-    cm._requests({"preempt_after": args.preempt_after}, None)  # the stream's engine: paged cache, decode graphs
+    cm._requests({}, None)  # the stream's engine: paged cache, decode graphs traced and captured
     result["setup_s"] = time.perf_counter() - start
     engine, pool = cm._engine[1], cm.pool
     result |= {"slot_MiB": pool.nbytes / 2**20, "host_tier_MiB": pool.host_bytes / 2**20}
@@ -151,8 +149,7 @@ class Admissions:
         self.copied: dict[str, bool] = {}
         self.turns = 0
         self._paged: set[str] = set()
-        self.scheduler = scheduler = engine.scheduler
-        pool = scheduler.pool
+        scheduler, pool = engine.scheduler, engine.scheduler.pool
         admit, acquire = scheduler.admit, pool.acquire
 
         def on_acquire(names, *args, **kwargs):
@@ -164,12 +161,12 @@ class Admissions:
 
         def on_admit(*args, **kwargs):
             resident, self._paged = set(pool.slot_of), set()
-            done = admit(*args, **kwargs)
-            self.turns += bool(done.admitted)
-            for seq in done.admitted:  # (a preempted request keeps what its first admission was)
+            admitted, failed = admit(*args, **kwargs)
+            self.turns += bool(admitted)
+            for seq in admitted:
                 name = seq.adapter_name
-                self.copied.setdefault(seq.request_id, name is not None and (name not in resident or name in self._paged))
-            return done
+                self.copied[seq.request_id] = name is not None and (name not in resident or name in self._paged)
+            return admitted, failed
 
         scheduler.admit, pool.acquire = on_admit, on_acquire
 
@@ -179,7 +176,7 @@ def stream_pass(cm, admissions: Admissions, prompts: list[list[int]], news: list
 
     pool = cm.pool
     torch.cuda.synchronize()
-    hits, misses, turns, preempted = pool.hits, pool.misses, admissions.turns, admissions.scheduler.preempted
+    hits, misses, turns = pool.hits, pool.misses, admissions.turns
     begin = time.perf_counter()
     outs = cm.generate_batch(prompts, names, max_new_tokens=news, eos_token_id=(), progress_bar=False)
     torch.cuda.synchronize()
@@ -192,7 +189,6 @@ def stream_pass(cm, admissions: Admissions, prompts: list[list[int]], news: list
     out = summary(seconds, news, ttft, tpot) | {
         "adapters_named": len(set(names)), "page_ins": pool.misses - misses, "hits": pool.hits - hits,
         "copied_requests": sum(copied), "admitting_turns": admissions.turns - turns,
-        "preempted": admissions.scheduler.preempted - preempted,
     }  # fmt: skip
     for label, flag in (("copied", True), ("resident", False)):
         part = [t for t, c in zip(ttft, copied) if c == flag]
@@ -376,7 +372,7 @@ def table(systems: dict, adapters: int, dists: list[str]) -> None:
     def p50_99(r: dict, key: str) -> str:
         return f"{r.get(f'{key}_p50_s', float('nan')):.2f} / {r.get(f'{key}_p99_s', float('nan')):.2f}"
 
-    print(f"\n{'slots':>5} {'dist':>8} {'useful tok/s':>12} {'/ resident':>10} {'page-ins':>8} {'preempted':>9} {'copied':>6} "
+    print(f"\n{'slots':>5} {'dist':>8} {'useful tok/s':>12} {'/ resident':>10} {'page-ins':>8} {'copied':>6} "
           f"{'TTFT p50/p99 s: all':>20} {'copied':>12} {'resident':>12}")  # fmt: skip
     for slots, r in systems.items():
         if "error" in r:
@@ -385,7 +381,7 @@ def table(systems: dict, adapters: int, dists: list[str]) -> None:
             d, base = r.get(dist), resident.get(dist, {}).get("useful_tok_s")
             if d:
                 ratio = f"{d['useful_tok_s'] / base:10.2f}" if base else f"{'-':>10}"
-                print(f"{slots:>5} {dist:>8} {d['useful_tok_s']:12.0f} {ratio} {d['page_ins']:8d} {d.get('preempted', 0):9d} "
+                print(f"{slots:>5} {dist:>8} {d['useful_tok_s']:12.0f} {ratio} {d['page_ins']:8d} "
                       f"{d['copied_requests']:6d} {p50_99(d, 'ttft'):>20} {p50_99(d, 'ttft_copied'):>12} "
                       f"{p50_99(d, 'ttft_resident'):>12}")  # fmt: skip
     print(f"\n{'slots':>5} {'copy ms':>8} {'queued':>6} {'span ms':>8} {'host ms':>8} {'floor ms':>8} {'GB/s':>6} "
@@ -411,8 +407,6 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=256, help="new tokens of a request: 16 to this")
     parser.add_argument("--dists", default="zipf,uniform")
     parser.add_argument("--prefill-graph-tokens", type=int, default=0)
-    parser.add_argument("--preempt-after", type=lambda v: None if v == "none" else int(v), default=PREEMPT_AFTER,
-                        help="turns a request waits for a GPU slot before it preempts a slot's readers ('none': never)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds one process may take")
     parser.add_argument("--budget", type=int, default=450, help="seconds the whole call may take")
     parser.add_argument("--out", default="tiers.json")
@@ -429,7 +423,7 @@ def main() -> None:
         "torch": torch.__version__, "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
         "model": "llama", "adapters": args.adapters, "rank": 16, "requests": args.requests, "prompts": PROMPTS,
         "new_tokens": (NEW_MIN, args.max_new), "zipf_s": ZIPF_S, "max_len": MAX_LEN, "rows": ROWS,
-        "prefill_graph_tokens": args.prefill_graph_tokens, "preempt_after": args.preempt_after, "context": CONTEXT, "steps": STEPS, "repeats": REPEATS,
+        "prefill_graph_tokens": args.prefill_graph_tokens, "context": CONTEXT, "steps": STEPS, "repeats": REPEATS,
     }  # fmt: skip
     for slots in args.slots.split(","):
         left = deadline - time.monotonic()

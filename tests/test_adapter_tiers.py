@@ -3,8 +3,7 @@ adapters of different ranks and targets over 4 slots serve 100 requests chosen Z
 base-model ones) arriving over time, each token for token PEFT's greedy generation alone, with
 the pool's memory and the compiled graphs unchanged; direct calls page too; the host tier's
 bound reads adapters again from their directories; a reload while another call reads the
-adapter waits for nothing; requests preempted for another request's adapter start again where
-they were, token for token (greedy, seeded sampling, streamed)."""
+adapter waits for nothing."""
 
 from __future__ import annotations
 
@@ -77,46 +76,6 @@ def test_a_stream_over_forty_adapters_in_four_slots_equals_peft(model, many):
         want = reference_generate(model, peft, [name], torch.tensor([prompt]), None, new, None, 0)[0].tolist()
         assert out.error is None and out.generated_tokens == want, (request_id, name)
     assert "on the host" in cm.explain() and "paged in" in cm.explain()
-
-
-def test_requests_preempted_for_another_adapter_start_again_where_they_were(model, many):
-    torch._dynamo.reset()
-    chosen = {k: many[k] for k in ("ad00", "ad01", "ad02", "ad05")}
-    cm = fxlora.compile(model, adapters=chosen, max_loras=2, max_rank=8)
-    requests = cm._requests(dict(max_batch_size=4, max_len=40, block_size=4, window=2, preempt_after=0), None)
-    engine, gen = requests.engine, torch.Generator().manual_seed(12)
-    prompt = lambda n: torch.randint(3, 96, (n,), generator=gen).tolist()  # noqa: E731
-    sampled = dict(do_sample=True, temperature=1.2, top_k=30, seed=77)
-    plan = {  # id: (prompt, adapter, new tokens, arrival turn, settings)
-        "long0": (prompt(5), "ad00", 14, 0, {}),
-        "long1": (prompt(3), "ad01", 14, 0, sampled),
-        "other": (prompt(4), "ad02", 5, 2, {}),  # no free slot: preempts the cheaper reader
-        "late": (prompt(6), "ad05", 4, 3, {}),
-    }
-    done, streamed, turn = {}, {}, 0
-    while len(done) < len(plan):
-        for request_id, (ids, name, new, arrival, options) in plan.items():
-            if arrival == turn:
-                engine.add(requests.make(ids, name, new, request_id=request_id, streaming=True, eos_token_id=(), **options))
-        events = engine.step()
-        for e in events:
-            streamed[e.seq.request_id] = list(e.seq.generated)  # what a streaming caller saw last
-            if e.finished:
-                done[e.seq.request_id] = e.seq.output()
-        engine.forget(events)
-        turn += 1
-    assert engine.scheduler.preempted >= 1 and "preempted since the start" in cm.explain()
-    peft = peft_model_with(model, chosen)
-    for request_id, (ids, name, new, _, options) in plan.items():
-        out = done[request_id]
-        assert out.error is None and streamed[request_id] == out.generated_tokens, request_id
-        if options:  # a seeded draw depends on the row alone, preempted or not
-            alone = cm.generate_batch([ids], [name], max_new_tokens=new, eos_token_id=(), progress_bar=False, **options)
-            assert out.generated_tokens == alone[0].generated_tokens
-        else:
-            assert out.generated_tokens == reference_generate(model, peft, [name], torch.tensor([ids]), None, new, None, 0)[0].tolist()
-    allocator = engine.runner.cache.allocator
-    assert allocator.free == allocator.num_blocks - 1 and not any(cm.pool._pins)
 
 
 def test_direct_calls_page_adapters_in(model, many):

@@ -29,9 +29,6 @@ class Slots:
         self.pins[slot] = self.pins.get(slot, 0) + 1
         return [slot], {name}
 
-    def readers(self, slot):
-        return self.pins.get(slot, 0)
-
     def release(self, slots):
         for slot in slots:
             if slot >= 0:
@@ -47,17 +44,17 @@ def test_the_slot_whose_readers_end_soonest_drains_for_a_waiting_request():
     short, long = request(0, "a", max_new=4), request(1, "b", max_new=64)
     for seq in (short, long):
         scheduler.add(seq)
-    assert scheduler.admit() == ([short, long], [], [])
+    assert scheduler.admit() == ([short, long], [])
     waiting, more_a, more_b = request(2, "c"), request(3, "a"), request(4, "b")
     for seq in (waiting, more_a, more_b):
         scheduler.add(seq)
-    admitted, _, _ = scheduler.admit()
+    admitted, _ = scheduler.admit()
     assert admitted == [more_b]  # "a" drains: its reader ends within 4 tokens, "b"'s in 64
     assert list(scheduler.waiting) == [waiting, more_a] and (waiting.passes, more_a.passes) == (1, 0)
     short.generated = [7] * 4
     short.finish("length")
     scheduler.retire(short)  # "a"'s slot is free: the waiting request takes it, then "a" waits for one
-    admitted, _, _ = scheduler.admit()
+    admitted, _ = scheduler.admit()
     assert admitted == [waiting] and list(scheduler.waiting) == [more_a]
 
 
@@ -66,49 +63,10 @@ def test_a_request_passed_over_too_often_holds_back_those_behind_it():
     reader = request(0, "a", max_new=64)
     scheduler.add(reader)
     scheduler.admit()
-    reader.preemptions = 1  # preempted before: never again
     waiting = request(1, "b")
     waiting.passes = 32
     behind = request(2, None)
     scheduler.add(waiting)
     scheduler.add(behind)
-    assert scheduler.admit() == ([], [], [])
+    assert scheduler.admit() == ([], [])
     assert list(scheduler.waiting) == [waiting, behind]
-
-
-def test_a_request_kept_waiting_for_a_slot_preempts_the_readers_cheapest_to_redo():
-    allocator = BlockAllocator(256, 16)
-    scheduler = Scheduler(allocator, Slots(2), max_rows=8, max_prefill_tokens=1000, preempt_after=1)
-    cheap, dear = request(0, "a", max_new=64), request(1, "b", max_new=64)
-    for seq in (cheap, dear):
-        scheduler.add(seq)
-    scheduler.admit()
-    cheap.generated, dear.generated = [5] * 2, [5] * 9  # "a"'s reader redoes 5 tokens, "b"'s 12
-    waiting = request(2, "c")
-    scheduler.add(waiting)
-    assert scheduler.admit() == ([], [], [])  # its first turn without a slot: it waits
-    held = allocator.free
-    admitted, failed, preempted = scheduler.admit()
-    assert (admitted, failed, preempted) == ([waiting], [], [cheap])
-    assert list(scheduler.waiting) == [cheap] and scheduler.running == [dear, waiting] and scheduler.preempted == 1
-    assert cheap.status.value == "waiting" and cheap.slot is None and cheap.blocks == [] and cheap.generated == [5] * 2
-    assert allocator.free > held - 4  # its blocks came back (the new request took at most its own)
-    late = request(3, "d")
-    late.passes = 5
-    scheduler.add(late)
-    waiting.preemptions = 1  # preempted before: never again
-    done = scheduler.admit()  # the preempted request waits for a slot, and never preempts; "late" does
-    assert (done.admitted, done.preempted) == ([late], [dear]) and cheap.passes == 1
-    assert list(scheduler.waiting) == [dear, cheap] and scheduler.running == [waiting, late]
-
-
-def test_preemption_redoes_a_bounded_number_of_tokens_and_can_be_turned_off():
-    for after, long in ((None, False), (0, True)):
-        scheduler = Scheduler(BlockAllocator(256, 16), Slots(1), max_rows=8, max_prefill_tokens=1000, preempt_after=after)
-        reader = request(0, "a", max_new=600)
-        scheduler.add(reader)
-        scheduler.admit()
-        if long:
-            reader.generated = [5] * 510  # 513 tokens to redo: over PREEMPT_TOKENS
-        scheduler.add(request(1, "b"))
-        assert scheduler.admit().preempted == [] and scheduler.running == [reader]

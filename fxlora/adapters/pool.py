@@ -785,10 +785,6 @@ class AdapterPool:
                     self._write(slot, None)
             self._released.notify_all()
 
-    def readers(self, slot: int) -> int:
-        """How many calls in flight read ``slot``."""
-        return self._pins[slot]
-
     def _fence(self, slot: int) -> None:
         """Mark, on the current stream, the last work issued that reads or writes ``slot``: a
         copy into it on another stream waits for that point, and for nothing else."""

@@ -27,7 +27,7 @@ from fxlora.adapters import AdapterPool
 from fxlora.runtime.pending import Pending
 from fxlora.runtime.plan import Plan
 from fxlora.runtime.runner import StreamRunner
-from fxlora.runtime.scheduler import PREEMPT_AFTER, Scheduler
+from fxlora.runtime.scheduler import Scheduler
 from fxlora.runtime.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -43,13 +43,7 @@ class Event:
 
 class Engine:
     def __init__(
-        self,
-        runner: StreamRunner,
-        pool: AdapterPool,
-        lock: threading.RLock,
-        max_prefill_tokens: int,
-        preempt_after: int | None = PREEMPT_AFTER,
-        group: object = None,
+        self, runner: StreamRunner, pool: AdapterPool, lock: threading.RLock, max_prefill_tokens: int, group: object = None
     ):
         """``group``: the ranks of a tensor-parallel model, whose turns follow rank 0's plan."""
         self.runner, self.lock, self.group = runner, lock, group
@@ -57,7 +51,7 @@ class Engine:
         self.stopped = False
         # adapters paged into GPU slots are copied on a stream of their own, beside the decode
         self._copies = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
-        self.scheduler = Scheduler(runner.cache.allocator, pool, runner.max_rows, max_prefill_tokens, preempt_after)
+        self.scheduler = Scheduler(runner.cache.allocator, pool, runner.max_rows, max_prefill_tokens)
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._cancelled: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._window: tuple[Pending, list[Sequence], int] | None = None  # the last window: its tokens, rows, steps
@@ -103,8 +97,7 @@ class Engine:
         decode = sum(not isinstance(key[0], str) or key[0] != "prefill" for key in list(graphs.graphs))
         lines = [
             f"request stream: up to {r.max_rows} rows (batch buckets {r.buckets}), requests of up to {r.max_len} tokens, "
-            f"{len(self.scheduler.running)} running and {len(self.scheduler.waiting)} waiting, "
-            f"{self.scheduler.preempted} preempted since the start (for another request's adapter)",
+            f"{len(self.scheduler.running)} running and {len(self.scheduler.waiting)} waiting",
             f"paged KV cache: {allocator.num_blocks - 1} blocks of {allocator.block_size} tokens, {allocator.used} held, "
             f"{allocator.free} free",
         ]
@@ -238,7 +231,7 @@ class Engine:
             tokens, live = values[:-1].T.tolist(), values[-1].tolist()
             for seq, new, still in zip(seqs, tokens, live):
                 seq.unread -= steps
-                if seq.status is not Status.RUNNING:  # cancelled or preempted meanwhile: what it made since is dropped
+                if seq.status is Status.FINISHED:  # cancelled meanwhile: what it made since is dropped
                     continue
                 new = [t for t in new if t >= 0]
                 seq.generated += new
@@ -257,12 +250,10 @@ class Engine:
                 if seq.status is Status.FINISHED:
                     continue
                 seq.generated.append(token)  # before any window's tokens: the first window with it is read later
-                if seq.first_token_time is None:  # (a preempted request's prefill makes its next token)
-                    seq.first_token_time = now
-                made = len(seq.generated)
-                if token in seq.decoding.eos_token_ids and made > seq.decoding.min_new_tokens:
+                seq.first_token_time = now
+                if token in seq.decoding.eos_token_ids and seq.decoding.min_new_tokens < 1:
                     seq.finish("stop")
-                elif made >= seq.decoding.max_new_tokens:
+                elif seq.decoding.max_new_tokens <= 1:
                     seq.finish("length")
                 if seq.status is Status.FINISHED:
                     ended.append(seq)
@@ -272,53 +263,44 @@ class Engine:
         self._end(ended, events)
 
     def _admit(self, events: list[Event]) -> None:
-        admitted, failed, preempted = self.scheduler.admit(self._copies)
+        admitted, failed = self.scheduler.admit(self._copies)
         events += [Event(seq, True) for seq in failed]
-        self._vacate(preempted)  # the window in flight still runs them: its tokens for them are dropped
         if not admitted:
             return
         first_row = len(self.scheduler.running) - len(admitted)
         rows = list(range(first_row, first_row + len(admitted)))
         for row, seq in zip(rows, admitted):
-            seq.row, seq.unread = row, 1  # its next token, read next turn
-            self.scheduler.grow(seq, seq.length + 1)
+            seq.row, seq.unread = row, 1  # its first token, read next turn
+            self.scheduler.grow(seq, len(seq.prompt_ids) + 1)
         if self._copies is not None:  # adapters paged in for them: their copies ran beside the window
             torch.cuda.current_stream(self.runner.device).wait_stream(self._copies)
         self.runner.place(rows, [s.decoding for s in admitted], [s.slot for s in admitted], [s.blocks for s in admitted])
         pending = self.runner.prefill(
             rows,
-            [s.prompt_ids + s.generated for s in admitted],  # a preempted request starts again where it was
+            [s.prompt_ids for s in admitted],
             [s.blocks for s in admitted],
             [s.slot for s in admitted],
             sampling=any(s.decoding.do_sample for s in admitted),
-            made=[len(s.generated) for s in admitted],
         )
         self._first = (pending, admitted)
 
     def _end(self, ended: list[Sequence], events: list[Event]) -> None:
         """Retire ended running requests and close the gaps in the batch's rows."""
+        if not ended:
+            return
+        before = len(self.scheduler.running)
         for seq in ended:
             self.scheduler.retire(seq)
-            events.append(Event(seq, True))
-        self._vacate(ended)
-
-    def _vacate(self, gone: list[Sequence]) -> None:
-        """``gone`` left the batch (ended, or preempted): the rows after theirs move up, so the
-        batch stays in its smallest bucket, and the rows left over stop."""
-        if not gone:
-            return
-        held = [seq for seq in self.scheduler.running if seq.row is not None]  # (admitted ones have none yet)
-        before = len(held) + len(gone)
-        for seq in gone:
             seq.row = None
+            events.append(Event(seq, True))
         sources, targets = [], []
-        for i, seq in enumerate(held):
+        for i, seq in enumerate(self.scheduler.running):
             if seq.row != i:
                 sources.append(seq.row)
                 targets.append(i)
                 seq.row = i
         self.runner.move(sources, targets)
-        self.runner.stop(list(range(len(held), before)))  # rows a moved one left
+        self.runner.stop(list(range(len(self.scheduler.running), before)))  # rows a moved one left
 
 
 def _host_group(group: object) -> object:

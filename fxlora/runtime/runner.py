@@ -162,29 +162,21 @@ class StreamRunner:
 
     # -- prefill ---------------------------------------------------------------------------
     def prefill(
-        self,
-        rows: list[int],
-        prompts: list[list[int]],
-        blocks: list[list[int]],
-        slots: list[int],
-        sampling: bool,
-        made: list[int] | None = None,
+        self, rows: list[int], prompts: list[list[int]], blocks: list[list[int]], slots: list[int], sampling: bool
     ) -> Pending:
         """Run the prompts of the requests just placed in ``rows`` and start them: their keys
-        and values go into their blocks, their next tokens are picked and fed next, and the
-        rows become live (or end at once: an end token, or their last new token). The prompts
-        run in groups of similar lengths (:func:`prefill_groups`), so that little of a prefill
-        is padding. ``slots``: the rows' adapter slots; ``sampling``: whether any of them
-        samples; ``made``: the new tokens each request made before (a preempted request
-        starting again, its prompt followed by them; by default none). Returns the picked
-        tokens in the order of ``rows``, on their way to the host."""
-        made = made or [0] * len(rows)
+        and values go into their blocks, their first tokens are picked and fed next, and the
+        rows become live (or end at once: an end token, or a single new token asked for).
+        The prompts run in groups of similar lengths (:func:`prefill_groups`), so that little
+        of a prefill is padding. ``slots``: the rows' adapter slots; ``sampling``: whether any
+        of them samples. Returns the first tokens in the order of ``rows``, on their way to
+        the host."""
         order, firsts = [], []
         for group in prefill_groups([len(p) for p in prompts]):
             order += group
             take = lambda values: [values[i] for i in group]  # noqa: E731, B023
             adapters = any(slot != NO_ADAPTER for slot in take(slots))
-            firsts.append(self._prefill_group(take(rows), take(prompts), take(blocks), adapters, sampling, take(made)))
+            firsts.append(self._prefill_group(take(rows), take(prompts), take(blocks), adapters, sampling))
         tokens = torch.cat(firsts)
         if order != sorted(order):  # back in the order of rows
             position = {i: p for p, i in enumerate(order)}
@@ -192,13 +184,7 @@ class StreamRunner:
         return Pending.of(tokens[None])
 
     def _prefill_group(
-        self,
-        rows: list[int],
-        prompts: list[list[int]],
-        blocks: list[list[int]],
-        uses_adapters: bool,
-        sampling: bool,
-        made: list[int],
+        self, rows: list[int], prompts: list[list[int]], blocks: list[list[int]], uses_adapters: bool, sampling: bool
     ) -> torch.Tensor:
         """One prefill of ``prompts``, left-padded to the longest; their first tokens."""
         n, longest = len(rows), max(map(len, prompts))
@@ -233,7 +219,7 @@ class StreamRunner:
             else:
                 inputs = {k: _to_device(v, self.device) for k, v in inputs.items()}
                 logits = self._prefill(inputs["ids"], inputs["keep"], inputs["slots"], slot_ids)
-        return self._start(rows, logits[:n], [len(p) for p in prompts], sampling, made)
+        return self._start(rows, logits[:n], [len(p) for p in prompts], sampling)
 
     def _prefill_graph(self, key: tuple) -> torch.Tensor:
         _, variant, rows, length = key
@@ -270,22 +256,19 @@ class StreamRunner:
             return None
         return bucket, length
 
-    def _start(
-        self, rows: list[int], logits: torch.Tensor, prompt_lengths: list[int], sampling: bool, made: list[int]
-    ) -> torch.Tensor:
-        """The next token of each new row (its first, or after the ``made`` ones), picked as a
-        decode step picks it, and the rows made live."""
+    def _start(self, rows: list[int], logits: torch.Tensor, prompt_lengths: list[int], sampling: bool) -> torch.Tensor:
+        """The first token of each new row, picked as a decode step picks it, and the rows made live."""
         index = self._index(rows)
         take = lambda t: t.index_select(0, index)  # noqa: E731
         s = self.sampling
         rows_settings = SamplingRows(*(take(t) for t in (s.greedy, s.temperature, s.top_k, s.top_p, s.seed)))
-        count = _to_device(torch.tensor(made, dtype=torch.long), self.device)
-        logits = suppress(logits.float(), take(self.eos), take(self.min_new) > count)
-        tokens = pick(logits, rows_settings, count, sampling)
-        ended = (tokens[:, None] == take(self.eos)).any(1) | (take(self.max_new) <= count + 1)
+        zero = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        logits = suppress(logits.float(), take(self.eos), take(self.min_new) > 0)
+        tokens = pick(logits, rows_settings, zero, sampling)
+        ended = (tokens[:, None] == take(self.eos)).any(1) | (take(self.max_new) <= 1)
         self.next_ids.index_copy_(0, index, tokens[:, None])
         self.lengths.index_copy_(0, index, _to_device(torch.tensor(prompt_lengths)[:, None], self.device))
-        self.count.index_copy_(0, index, count + 1)
+        self.count.index_fill_(0, index, 1)
         self.active.index_copy_(0, index, ~ended)
         return tokens
 

@@ -15,19 +15,12 @@ every slot is read by running requests, the requests behind it whose adapters ar
 go first, for a bounded number of turns. Meanwhile one slot drains for it: the one whose
 running readers end soonest (by the new tokens they may still make) admits no new reader, so
 that it comes free for the waiting request, not only once every slot's readers happen to end
-together. A request that has made no token yet and has waited ``preempt_after`` turns for a
-slot preempts the readers of one slot instead (the one cheapest to redo: fewest tokens
-in its readers' caches, at most :data:`PREEMPT_TOKENS`): they leave the batch, give back their blocks and their pins, and
-wait at the front of the queue, to be prefilled again over their prompt and the tokens they
-made (which stay theirs; the tokens of the window in flight are dropped and made again).
-A request is preempted at most once, and a request preempted never preempts others, so the
-work redone is bounded by the tokens of the requests preempted.
+together.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
 
 from fxlora.adapters import NO_ADAPTER, AdapterPool
 from fxlora.errors import AdapterError, NoFreeSlot
@@ -37,39 +30,14 @@ from fxlora.runtime.sequence import Sequence, Status
 # turns a request whose adapter finds no free GPU slot may be passed over by requests whose
 # adapters are in slots (each turn a window of decode steps): its wait stays bounded
 ADAPTER_PASSES = 32
-# by default, turns a request that has made no token yet waits for a GPU slot before it preempts
-# one's readers (StreamOptions.preempt_after)
-PREEMPT_AFTER = 2
-# the most tokens a preemption redoes (its readers' prompts and the tokens they made): a slot whose
-# readers hold more drains instead
-PREEMPT_TOKENS = 512
-
-
-class Admission(NamedTuple):
-    """What a turn's admission did: the requests that join the batch, those that failed on
-    admission (their adapter gone), and those preempted to free a GPU slot (waiting again)."""
-
-    admitted: list[Sequence]
-    failed: list[Sequence]
-    preempted: list[Sequence]
 
 
 class Scheduler:
-    def __init__(
-        self,
-        allocator: BlockAllocator,
-        pool: AdapterPool,
-        max_rows: int,
-        max_prefill_tokens: int,
-        preempt_after: int | None = PREEMPT_AFTER,
-    ):
-        """``preempt_after``: turns a request that has made no token waits for a GPU slot before
-        it preempts the readers of one (None: never)."""
+    def __init__(self, allocator: BlockAllocator, pool: AdapterPool, max_rows: int, max_prefill_tokens: int):
         self.allocator, self.pool = allocator, pool
-        self.max_rows, self.max_prefill_tokens, self.preempt_after = max_rows, max_prefill_tokens, preempt_after
+        self.max_rows, self.max_prefill_tokens = max_rows, max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in the order of the batch's rows
-        self.preempted = 0  # requests preempted since the start
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -78,31 +46,29 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def admit(self, copy_stream: object = None) -> Admission:
-        """The waiting requests that join the batch now, those that failed on admission (their
-        adapter no longer loaded), and the running ones preempted for a slot. A request whose
-        adapter has no GPU slot gets one (its copy issued on ``copy_stream``); when every slot
-        is read by running requests it is passed over, for the requests behind it whose
-        adapters are in slots, at most :data:`ADAPTER_PASSES` turns, after which nothing behind
-        it starts before it; one that has made no token preempts a slot's readers after
-        ``preempt_after`` turns, if any slot's readers may be preempted."""
-        done = Admission([], [], [])
+    def admit(self, copy_stream: object = None) -> tuple[list[Sequence], list[Sequence]]:
+        """The waiting requests that join the batch now, and those that failed on admission
+        (their adapter no longer loaded). A request whose adapter has no GPU slot gets one
+        (its copy issued on ``copy_stream``); when every slot is read by running requests it
+        is passed over, for the requests behind it whose adapters are in slots, at most
+        :data:`ADAPTER_PASSES` turns, after which nothing behind it starts before it."""
+        admitted: list[Sequence] = []
+        failed: list[Sequence] = []
         passed: list[Sequence] = []
         try:
-            self._admit(copy_stream, done, passed)
+            self._admit(copy_stream, admitted, failed, passed)
         finally:  # whatever happened, every request is waiting, running or ended
-            self.waiting.extendleft(reversed(done.preempted + passed))  # back at the front, in their order
-            self.running += done.admitted
-        return done
+            self.waiting.extendleft(reversed(passed))  # back at the front, in their order
+            self.running += admitted
+        return admitted, failed
 
-    def _admit(self, copy_stream: object, done: Admission, passed: list[Sequence]) -> None:
-        admitted, failed = done.admitted, done.failed
+    def _admit(self, copy_stream: object, admitted: list[Sequence], failed: list[Sequence], passed: list[Sequence]) -> None:
         tokens = 0
         draining = None  # the adapter whose slot admits no new reader, for a request waiting for a slot
         while self.waiting and len(self.running) + len(admitted) < self.max_rows:
             seq = self.waiting[0]
             need = blocks_for(seq.max_length, self.allocator.block_size)
-            if admitted and tokens + seq.length > self.max_prefill_tokens:
+            if admitted and tokens + len(seq.prompt_ids) > self.max_prefill_tokens:
                 break
             if not self.allocator.can_promise(need):
                 break
@@ -113,15 +79,6 @@ class Scheduler:
             try:
                 (seq.slot,), _ = self.pool.acquire([seq.adapter_name], stream=copy_stream, timeout=0)
             except NoFreeSlot:  # every slot is read by running requests
-                if self._may_preempt(seq) and (readers := self._cheapest_to_redo()):
-                    for reader in readers:
-                        self.retire(reader)
-                        reader.status, reader.preemptions = Status.WAITING, reader.preemptions + 1
-                    done.preempted.extend(readers)
-                    self.preempted += len(readers)
-                    self.waiting.appendleft(seq)  # its slot is free now: it takes it
-                    draining = None
-                    continue
                 draining = draining or self._soonest_free(admitted)
                 if seq.passes >= ADAPTER_PASSES:
                     self.waiting.appendleft(seq)
@@ -136,7 +93,7 @@ class Scheduler:
                 continue
             self.allocator.promise(need)
             seq.reserved, seq.status = need, Status.RUNNING
-            tokens += seq.length
+            tokens += len(seq.prompt_ids)
             admitted.append(seq)
 
     def _soonest_free(self, admitted: list[Sequence]) -> str | None:
@@ -148,27 +105,6 @@ class Scheduler:
                 budget = seq.decoding.max_new_tokens - len(seq.generated) - seq.unread
                 left[seq.adapter_name] = max(left.get(seq.adapter_name, 0), budget)
         return min(left, key=left.__getitem__) if left else None
-
-    def _may_preempt(self, seq: Sequence) -> bool:
-        """Whether ``seq``, waiting for a GPU slot, may preempt a slot's readers: it has made no
-        token (a preempted request never preempts others) and waited ``preempt_after`` turns."""
-        return self.preempt_after is not None and not seq.generated and seq.passes >= self.preempt_after
-
-    def _cheapest_to_redo(self) -> list[Sequence]:
-        """The running readers of the slot whose preemption redoes the fewest tokens (at most
-        :data:`PREEMPT_TOKENS`), among the slots read only by running requests none of which was
-        preempted before; [] if none."""
-        readers: dict[int, list[Sequence]] = {}
-        for seq in self.running:
-            if seq.slot not in (None, NO_ADAPTER):
-                readers.setdefault(seq.slot, []).append(seq)
-        costs = {
-            slot: sum(seq.length for seq in seqs)
-            for slot, seqs in readers.items()
-            if self.pool.readers(slot) == len(seqs) and not any(seq.preemptions for seq in seqs)
-        }
-        cheapest = min(costs, key=costs.__getitem__, default=None)
-        return readers[cheapest] if cheapest is not None and costs[cheapest] <= PREEMPT_TOKENS else []
 
     def cancel_waiting(self, request_ids: set[str]) -> list[Sequence]:
         """End the waiting requests of ``request_ids`` now."""

@@ -76,15 +76,13 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.passes = 0  # turns later requests went first while its adapter found no GPU slot
-        self.preemptions = 0  # times it left the batch for another request's adapter
         self.created_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
 
     @property
     def length(self) -> int:
-        """Tokens in the KV cache once its last generated token is written: prompt + generated
-        (what a prefill runs over when it starts again after a preemption)."""
+        """Tokens in the KV cache once its last generated token is written: prompt + generated."""
         return len(self.prompt_ids) + len(self.generated)
 
     @property

@@ -33,7 +33,6 @@ from fxlora.runtime.kv_cache import probe_shapes
 from fxlora.runtime.paged_cache import PagedKVCache
 from fxlora.runtime.routing import check_adapter_keywords
 from fxlora.runtime.runner import MAX_EOS, StreamRunner
-from fxlora.runtime.scheduler import PREEMPT_AFTER
 from fxlora.runtime.sequence import Decoding, GenerationOutput, Sequence
 
 log = logging.getLogger(__name__)
@@ -52,8 +51,6 @@ class StreamOptions:
     buckets: tuple[int, ...] | None = None  # decode graphs' row counts (and max_batch_size); None: powers of two
     cuda_graphs: bool | None = None
     prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS
-    # turns a request that has made no token waits for a GPU slot before it preempts a slot's readers; None: never
-    preempt_after: int | None = PREEMPT_AFTER
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_len", "block_size", "max_prefill_tokens", "window"):
@@ -64,9 +61,6 @@ class StreamOptions:
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0
                                    or (isinstance(memory, float) and memory > 1)):  # fmt: skip
             raise ValueError(f"kv_cache_memory must be bytes (an int > 0) or a fraction of free memory in (0, 1], got {memory!r}")
-        after = self.preempt_after
-        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
-            raise ValueError(f"preempt_after must be an int >= 0 (turns) or None (never preempt), got {after!r}")
         if self.buckets is not None and not all(1 <= b <= self.max_batch_size for b in self.buckets):
             raise ValueError(f"batch buckets {list(self.buckets)} must lie in 1..max_batch_size={self.max_batch_size}")
 
@@ -99,7 +93,7 @@ def make_engine(
     log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size, runner.cache.nbytes / 2**20)
     with backend.lock, torch.no_grad():
         runner.warm_up(progress)
-    return Engine(runner, backend.pool, backend.lock, options.max_prefill_tokens, options.preempt_after, group)
+    return Engine(runner, backend.pool, backend.lock, options.max_prefill_tokens, group)
 
 
 class Requests:
