@@ -1,10 +1,14 @@
 """The scheduler's admission with adapters: when every GPU slot is read by running requests, a
 request waiting for one passes the turn to requests whose adapters are in slots, and the slot
-whose readers end soonest admits no new reader, so that it comes free for the waiting request."""
+whose readers end soonest admits no new reader, so that it comes free for the waiting request;
+over drawn streams, no running request's slot is evicted and every request ends."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fxlora.errors import NoFreeSlot
-from fxlora.runtime.block_allocator import BlockAllocator
-from fxlora.runtime.scheduler import Scheduler
+from fxlora.runtime.block_allocator import BlockAllocator, blocks_for
+from fxlora.runtime.scheduler import ADAPTER_PASSES, Scheduler
 from fxlora.runtime.sequence import Decoding, Sequence
 
 
@@ -70,3 +74,44 @@ def test_a_request_passed_over_too_often_holds_back_those_behind_it():
     scheduler.add(behind)
     assert scheduler.admit() == ([], [])
     assert list(scheduler.waiting) == [waiting, behind]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_drawn_streams_end_with_every_slot_kept_under_its_readers(data):
+    """Drawn slots, rows, blocks and requests arriving over turns (each turn decodes a window):
+    a running request's slot keeps its adapter to its end, a passed-over request is passed at
+    most ADAPTER_PASSES turns, every request ends, and every block and pin comes back."""
+    slots = Slots(data.draw(st.integers(1, 4), label="slots"))
+    allocator = BlockAllocator(data.draw(st.integers(8, 64), label="blocks"), 4)
+    scheduler = Scheduler(allocator, slots, max_rows=data.draw(st.integers(1, 6), label="rows"), max_prefill_tokens=24)
+    adapters = [None, *(f"ad{i}" for i in range(data.draw(st.integers(1, 8), label="adapters")))]
+    arrivals: dict[int, list[Sequence]] = {}
+    for i in range(data.draw(st.integers(1, 30), label="requests")):
+        prompt = [1] * data.draw(st.integers(1, 12))
+        seq = Sequence(f"r{i}", prompt, data.draw(st.sampled_from(adapters)), Decoding(max_new_tokens=data.draw(st.integers(1, 20))), False)
+        if blocks_for(seq.max_length, 4) <= allocator.free:  # (one that never fits is refused before it gets here)
+            arrivals.setdefault(data.draw(st.integers(0, 10), label="arrival turn"), []).append(seq)
+    window, ended, turn = data.draw(st.integers(1, 4), label="window"), [], 0
+    while turn <= 10 or not scheduler.idle:
+        assert turn < 2_000, "a request never ended"
+        for seq in arrivals.get(turn, []):
+            scheduler.add(seq)
+        for seq in list(scheduler.running):  # a window of decode steps
+            seq.generated += [7] * min(window, seq.decoding.max_new_tokens - len(seq.generated))
+            scheduler.grow(seq, seq.length)
+            if len(seq.generated) == seq.decoding.max_new_tokens:
+                seq.finish("length")
+                scheduler.retire(seq)
+                ended.append(seq)
+        admitted, failed = scheduler.admit()
+        assert not failed
+        for seq in admitted:  # its prefill makes its first token
+            scheduler.grow(seq, seq.length + 1)
+            seq.generated.append(7)
+        for seq in scheduler.running:
+            assert seq.adapter_name is None or slots.slot_of.get(seq.adapter_name) == seq.slot, "a read slot was evicted"
+        assert all(seq.passes <= ADAPTER_PASSES for seq in scheduler.waiting)
+        turn += 1
+    assert len(ended) == sum(map(len, arrivals.values()))
+    assert allocator.free == allocator.num_blocks - 1 and not any(slots.pins.values())
