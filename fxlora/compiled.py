@@ -36,7 +36,14 @@ from fxlora.runtime.generation import PREFILL_GRAPH_TOKENS, DecodeRuntime
 from fxlora.runtime.generation_config import resolve as resolve_generation
 from fxlora.runtime.routing import Selection, check_adapter_keywords, check_names, selecting, warn_unnamed, watch_calls
 from fxlora.runtime.sequence import GenerationOutput
-from fxlora.runtime.serving import Requests, ServingManager, StreamOptions, generate_batch, make_engine
+from fxlora.runtime.serving import (
+    Requests,
+    ServingManager,
+    StreamOptions,
+    check_call_arguments,
+    generate_batch,
+    make_engine,
+)
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +181,10 @@ class CompiledModel(torch.nn.Module):
         ``min_new_tokens``) may be one value or a list of one per input; ``eos_token_id`` /
         ``stop_token_ids`` are per input when given as a list of lists (or Nones). A bad input
         finishes with ``finish_reason="error"`` and the others run. While a serving loop runs
-        (``cm.serve()``), the inputs go through it."""
+        (``cm.serve()``), the inputs go through it. transformers' call arguments are taken at the
+        value fxlora serves (``warmup=True``, ``persistent_manager=True``,
+        ``record_timestamps=False``, no ``continuous_batching_config``) and refused otherwise."""
+        check_call_arguments(adapter_names, settings)
         settings["max_new_tokens"] = max_new_tokens
         per_input = {}
         for key, value in list(settings.items()):

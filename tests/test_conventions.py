@@ -120,7 +120,7 @@ def test_a_dropped_compiled_model_goes_with_its_engine_and_the_models_methods_re
     cm(input_ids=ids_of(2, 5, 4), adapter_names=["a", None])
     cm.generate(ids_of(2, 5, 5), adapter_names=["a", None], max_new_tokens=2)
     with cm.serve(max_batch_size=2, block_size=4) as manager:
-        manager.get_result(manager.add_request([5, 6], "a", 2), timeout=60)
+        manager.get_result(manager.add_request([5, 6], max_new_tokens=2, adapter_name="a"), timeout=60)
     dropped, engine = weakref.ref(cm), weakref.ref(cm._engine[1])
     del cm, manager
     gc.collect()

@@ -8,11 +8,13 @@ from __future__ import annotations
 import threading
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig
+from transformers import GenerationConfig
 
 import fxlora
 from fxlora.runtime import runner
@@ -182,8 +184,8 @@ def test_the_serving_loop(served):
     with cm.serve(**STREAM) as manager:
         ids = {}
         threads = [
-            threading.Thread(target=lambda k=k, v=v: ids.__setitem__(k, manager.add_request(v[0], v[1], v[2], request_id=k,
-                             streaming=k == "s1", eos_token_id=())))  # fmt: skip
+            threading.Thread(target=lambda k=k, v=v: ids.__setitem__(k, manager.add_request(v[0], k, v[2], k == "s1",
+                             adapter_name=v[1], eos_token_id=())))  # fmt: skip
             for k, v in prompts.items()
         ]
         for t in threads:
@@ -199,7 +201,7 @@ def test_the_serving_loop(served):
         assert set(rest) == {"s0", "s2", "s4"}
         for k, out in rest.items():
             assert out.generated_tokens == expected(served, *prompts[k], None)
-        long = manager.add_request([7, 8, 9], "a", max_new_tokens=25, eos_token_id=())
+        long = manager.add_request([7, 8, 9], adapter_name="a", max_new_tokens=25, eos_token_id=())
         manager.cancel_request(long)
         out = manager.get_result(long, timeout=60)
         assert out.finish_reason == "cancelled" and out.generated_tokens == expected(served, [7, 8, 9], "a", 25, None)[: len(out.generated_tokens)]
@@ -208,6 +210,48 @@ def test_the_serving_loop(served):
     assert not manager.is_running()
     with pytest.raises(RuntimeError, match="not running"):
         manager.add_request([5])
+
+
+def test_stop_lets_the_requests_in_flight_end_and_a_hard_stop_cancels_them(served):
+    model, _, cm, _, _ = served
+    idle = cm.serve(**STREAM)
+    assert idle.get_result() is None and list(idle) == []  # never started: nothing comes, at once
+    with cm.serve(**STREAM) as manager:
+        mine = manager.add_request([7, 8, 9], "mine", 12, eos_token_id=())  # transformers' order: the id, then the count
+        numpy_ids = manager.add_request([np.int64(5), np.int64(6)], max_new_tokens=3, adapter_name="a", eos_token_id=())
+        with pytest.raises(ValueError, match="keep_for_next_session"):
+            manager.stop(keep_for_next_session=True)
+    assert mine == "mine" and not manager.is_running()  # leaving the block stopped it after the requests ended
+    out = manager.get_result(mine, timeout=60)
+    assert out.finish_reason == "length" and out.generated_tokens == expected(served, [7, 8, 9], None, 12, None)
+    assert manager.get_result(numpy_ids, timeout=60).generated_tokens == expected(served, [5, 6], "a", 3, None)
+    with cm.serve(**STREAM) as manager:
+        cut = manager.add_request([7, 8, 9], max_new_tokens=25, eos_token_id=())
+        manager.stop(hard_stop=True)
+    out = manager.get_result(cut, timeout=60)
+    assert out.finish_reason == "cancelled" and len(out.generated_tokens) < 25
+
+
+def test_generate_batch_refuses_what_it_serves_otherwise_for_the_whole_call(served):
+    model, _, cm, _, _ = served
+    prompts = [[5, 6, 7], [8, 9]]
+    ok = cm.generate_batch(prompts, max_new_tokens=2, warmup=True, persistent_manager=True, record_timestamps=False,
+                           continuous_batching_config=None, progress_bar=False)  # fmt: skip
+    assert [len(o.generated_tokens) for o in ok] == [2, 2]
+    for kw, error, match in (
+        (dict(warmup=False), ValueError, "warmup=False"),
+        (dict(persistent_manager=False), ValueError, "persistent_manager=False"),
+        (dict(record_timestamps=True), ValueError, "record_timestamps=True"),
+        (dict(continuous_batching_config=GenerationConfig()), ValueError, "continuous_batching_config="),
+        (dict(adapter_name="a"), TypeError, "adapter_names="),
+        (dict(request_id=["x", "y"]), TypeError, "request_id="),
+    ):
+        with pytest.raises(error, match=match):
+            cm.generate_batch(prompts, max_new_tokens=2, progress_bar=False, **kw)
+    with pytest.raises(TypeError, match="pass generation_config= by keyword"):
+        cm.generate_batch(prompts, GenerationConfig(max_new_tokens=2))
+    outs = cm.generate_batch(prompts, max_new_tokens=[2, 2.0], progress_bar=False)  # equal values of another type
+    assert outs[0].error is None and "max_new_tokens must be an int" in outs[1].error
 
 
 def test_an_adapter_unloaded_while_serving_keeps_its_running_requests(served, tmp_path):
@@ -308,7 +352,7 @@ def test_a_serving_size_other_than_the_compiles_takes_its_own_batch_buckets():
     prompts = [[3 + i] * (2 + i) for i in range(5)]
     with cm.serve(max_batch_size=3, block_size=4) as manager:  # another size: buckets of its own
         assert manager.engine.runner.buckets == [2, 3]
-        ids = [manager.add_request(p, "a" if i % 2 else None, 4, eos_token_id=()) for i, p in enumerate(prompts)]
+        ids = [manager.add_request(p, max_new_tokens=4, adapter_name="a" if i % 2 else None, eos_token_id=()) for i, p in enumerate(prompts)]
         outs = [manager.get_result(i, timeout=60) for i in ids]
     peft_model = peft_model_with(model, adapters)
     for i, (prompt, out) in enumerate(zip(prompts, outs)):

@@ -138,7 +138,7 @@ def main(directory: str, results: str) -> None:
         # the serving loop, with fewer rows than requests: they queue and join as rows free
         with cm.serve(max_batch_size=4, block_size=8, window=2) as manager:
             # rank 0's requests are every rank's: the other ranks' add_request returns None
-            ids = [manager.add_request(p, a, n, request_id=f"s{i}", eos_token_id=()) for i, (p, a, n) in enumerate(requests)]
+            ids = [manager.add_request(p, f"s{i}", n, adapter_name=a, eos_token_id=()) for i, (p, a, n) in enumerate(requests)]
             report["served_ids"] = ids
             served = [manager.get_result(f"s{i}", timeout=240) for i in range(len(ids))]
         report["served_missing"] = [f"s{i}" for i, o in enumerate(served) if o is None]

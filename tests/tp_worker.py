@@ -100,7 +100,7 @@ def main(directory: str, results: str) -> None:
         out["stream"] = stream_tokens(cm, script["stream"])
         # the serving loop: requests added on rank 0 only, every rank's loop serving them
         with cm.serve(max_batch_size=2, max_len=32, block_size=4, window=2) as manager:
-            ids = [manager.add_request(p, a, n, request_id=f"s{i}", eos_token_id=()) for i, (p, a, n) in enumerate(script["stream"])]
+            ids = [manager.add_request(p, f"s{i}", n, adapter_name=a, eos_token_id=()) for i, (p, a, n) in enumerate(script["stream"])]
             report["served_ids"] = ids
             report["served"] = [manager.get_result(f"s{i}", timeout=120).generated_tokens for i in range(len(ids))]
     # an adapter on the embedding, which the plan splits over its vocabulary (transformers 5.2x)

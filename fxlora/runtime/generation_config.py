@@ -40,7 +40,7 @@ SERVED = {
 NEUTRAL = {
     "_from_model_config", "transformers_version", "bos_token_id", "decoder_start_token_id", "use_cache",
     "cache_implementation", "cache_config", "compile_config", "disable_compile", "max_cache_len", "low_memory",
-    "prefill_chunk_size", "continuous_batching_config", "early_stopping", "length_penalty", "num_assistant_tokens",
+    "prefill_chunk_size", "early_stopping", "length_penalty", "num_assistant_tokens",
     "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
     "is_assistant", "assistant_early_exit", "assistant_ensemble_weight",
 }  # fmt: skip
@@ -101,7 +101,7 @@ def resolve(
         if value is None:  # unset, as for a default argument
             continue
         if not hasattr(config, key):
-            raise TypeError(f"generate() got an unknown keyword {key!r}: it is neither an argument nor a GenerationConfig field")
+            raise TypeError(f"unknown keyword {key!r}: it is neither an argument nor a GenerationConfig field")
         setattr(config, key, value)
         given[key] = value
     values = {key: getattr(config, key, None) for key in {*config.to_dict(), *DEFAULTS}}

@@ -12,6 +12,7 @@ added, read and cancelled from any thread.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections.abc import Iterator
@@ -173,7 +174,7 @@ class Requests:
         """The request's settings, checked (remembered by their keywords where asked)."""
         key = None
         if self._settings is not None:
-            key = (max_new_tokens, tuple(sorted((k, _frozen(v)) for k, v in settings.items())))
+            key = (_frozen(max_new_tokens), tuple(sorted((k, _frozen(v)) for k, v in settings.items())))
             try:
                 if key in self._settings:
                     return self._settings[key]
@@ -187,7 +188,8 @@ class Requests:
 
 
 def _frozen(value: Any) -> Any:
-    return tuple(map(_frozen, value)) if isinstance(value, (list, tuple)) else value
+    """``value`` as a key that tells apart what compares equal across types (1, 1.0, True)."""
+    return tuple(map(_frozen, value)) if isinstance(value, (list, tuple)) else (type(value), value)
 
 
 def _prompt(input_ids: Any, vocab_size: int | None) -> list[int]:
@@ -202,10 +204,45 @@ def _prompt(input_ids: Any, vocab_size: int | None) -> list[int]:
     prompt = list(input_ids)
     if not prompt:
         raise ValueError("the prompt is empty: a request needs at least one token")
-    for t in prompt:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+    for i, t in enumerate(prompt):
+        try:
+            prompt[i] = operator.index(t)  # an int, or one of numpy's or a 0-d tensor's
+        except TypeError:
+            raise TypeError(f"token {t!r} of the prompt is not an int but {type(t).__name__}") from None
+        if isinstance(t, bool) or prompt[i] < 0 or (vocab_size is not None and prompt[i] >= vocab_size):
             raise ValueError(f"token {t!r} of the prompt is not a token id of the model (0 <= id < {vocab_size})")
     return prompt
+
+
+# transformers' generate_batch arguments of the whole call, with the one value fxlora's serves as it is
+CALL_ARGUMENTS = {
+    "warmup": (True, "the stream's engine captures its graphs when it is built (the first call, or cm.serve())"),
+    "persistent_manager": (True, "the stream's engine (its paged cache and graphs) stays with the compiled model"),
+    "record_timestamps": (False, "results carry created_time, first_token_time and finished_time only"),
+    "continuous_batching_config": (None, "the stream's sizes are fxlora.compile's or cm.serve()'s options "
+                                         "(max_batch_size, max_len, kv_cache_memory, block_size, max_prefill_tokens)"),
+}  # fmt: skip
+REQUEST_ONLY = {
+    "adapter_name": "generate_batch takes one adapter per input as adapter_names=",
+    "request_id": "generate_batch numbers its requests itself; name them through cm.serve() and add_request",
+    "streaming": "generate_batch returns finished results; stream through cm.serve() and request_id_iter",
+}
+
+
+def check_call_arguments(adapter_names: Any, settings: dict[str, Any]) -> None:
+    """Refuse, for the whole ``generate_batch`` call, what a transformers user may pass that
+    fxlora serves otherwise: another value of a call argument, a request's own argument, a
+    ``GenerationConfig`` where ``adapter_names`` goes (transformers' second argument)."""
+    if type(adapter_names).__name__ == "GenerationConfig":
+        raise TypeError("generate_batch's second argument is adapter_names (one per input, or None): pass generation_config= by keyword")
+    for key, value in list(settings.items()):
+        if key in CALL_ARGUMENTS:
+            served, why = CALL_ARGUMENTS[key]
+            if value is not None and value != served:
+                raise ValueError(f"generate_batch({key}={value!r}) is not served: {why}")
+            del settings[key]
+        elif key in REQUEST_ONLY:
+            raise TypeError(f"generate_batch got {key}=: {REQUEST_ONLY[key]}")
 
 
 def generate_batch(
@@ -304,6 +341,7 @@ class ServingManager:
         self._changed = threading.Condition()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._hard_stop = False  # stop() asked for the requests in flight to end at once
         self._thread: threading.Thread | None = None
         self._closed = False  # the loop ended: no request is taken any more
         self._claimed: dict[str, int] = {}  # request id -> callers waiting for it by id
@@ -320,9 +358,21 @@ class ServingManager:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def stop(self, block: bool = True, timeout: float | None = None) -> None:
-        """Stop the loop: requests still in flight end with ``finish_reason="cancelled"``. Under
-        tensor parallelism rank 0's stop stops every rank; the others wait for it."""
+    def stop(
+        self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False, hard_stop: bool = False
+    ) -> None:
+        """Stop the loop, as transformers' manager stops: no request is taken any more, the
+        requests in flight run to their ends, then the loop ends; with ``hard_stop`` they end at
+        once with ``finish_reason="cancelled"``. ``block``: wait up to ``timeout`` seconds for
+        the loop to end. Under tensor parallelism rank 0's stop stops every rank; the others
+        wait for it. The engine (its paged cache and graphs) stays with the compiled model for
+        the next ``cm.serve()`` whatever ``keep_for_next_session`` says, so only False is taken."""
+        if keep_for_next_session:
+            raise ValueError(
+                "stop(keep_for_next_session=True) is not served: the stream's engine always stays with the compiled model, "
+                "and the next cm.serve() starts a loop over it"
+            )
+        self._hard_stop = self._hard_stop or hard_stop
         self._stop.set()
         self._wake.set()
         if block and self._thread is not None:
@@ -331,8 +381,8 @@ class ServingManager:
     def __enter__(self) -> ServingManager:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.stop(hard_stop=exc_type is not None)  # leaving on an error: what is in flight is cancelled
 
     @property
     def is_driver(self) -> bool:
@@ -352,7 +402,8 @@ class ServingManager:
                     self._wake.clear()
                     if self.engine.group is None:
                         continue  # alone, an idle turn is nothing; ranks meet at every turn
-                self._deliver(self.engine.step(stop=self._stop.is_set()))
+                stopping = self._stop.is_set() and (self._hard_stop or not self.engine.has_work)
+                self._deliver(self.engine.step(stop=stopping))
         except BaseException as e:  # noqa: BLE001 - every request in flight hears of it, and later calls raise it
             self.error = e
             log.exception("the serving loop stopped")
@@ -383,15 +434,18 @@ class ServingManager:
     def add_request(
         self,
         input_ids: Any,
-        adapter_name: str | None = None,
-        max_new_tokens: int | None = None,
         request_id: str | None = None,
+        max_new_tokens: int | None = None,
         streaming: bool = False,
+        *,
+        adapter_name: str | None = None,
         **settings: Any,
     ) -> str | None:
-        """Queue a request; returns its id. A bad request raises here, naming it; it never
-        reaches the loop. On a rank after the first of a tensor-parallel model this does
-        nothing and returns None: the loops of every rank serve the requests added on rank 0."""
+        """Queue a request; returns its id. The arguments come in transformers' order; the
+        adapter (or None, the base model) is named by keyword. A bad request raises here,
+        naming it; it never reaches the loop. On a rank after the first of a tensor-parallel
+        model this does nothing and returns None: the loops of every rank serve the requests
+        added on rank 0."""
         if not self.is_driver:
             return None
         if self.error is not None:
@@ -453,8 +507,10 @@ class ServingManager:
                         if request_id is not None and request_id not in self._results and not self.engine.knows(request_id):
                             if self.is_driver or self._closed:  # (on the other ranks, rank 0's requests are on their way)
                                 raise KeyError(f"no request {request_id!r}: unknown, or its result was already read")
-                        if self._closed and not (self._order if request_id is None else self._results.get(request_id)):
-                            return  # the loop ended, and nothing more comes
+                        if (self._closed or self._thread is None) and not (
+                            self._order if request_id is None else self._results.get(request_id)
+                        ):
+                            return  # the loop ended (or never started), and nothing more comes
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
                             return
