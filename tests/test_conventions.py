@@ -213,6 +213,21 @@ def test_unknown_and_unserved_keywords_are_named(cm):
         cm.generate(ids, max_length=4)
 
 
+def test_the_serving_manager_takes_transformers_positional_order():
+    """A transformers user's positional arguments mean the same to fxlora's manager: what it
+    takes by position is a prefix of transformers' parameters; the rest are keywords."""
+    import inspect
+
+    from fxlora.runtime.serving import ServingManager
+
+    theirs = pytest.importorskip("transformers.generation.continuous_batching").ContinuousBatchingManager
+    for method in ("add_request", "get_result", "request_id_iter", "cancel_request", "stop"):
+        mine = list(inspect.signature(getattr(ServingManager, method)).parameters.values())
+        positional = [p.name for p in mine if p.kind is p.POSITIONAL_OR_KEYWORD]
+        expected = [p.name for p in inspect.signature(getattr(theirs, method)).parameters.values()]
+        assert positional == expected[: len(positional)], method
+
+
 def test_sampling_settings_without_do_sample_warn(cm):
     with pytest.warns(UserWarning, match="do_sample is False, so temperature=0.5"):
         cm.generate(ids_of(1, 4, 0), adapter_names=["a"], max_new_tokens=2, temperature=0.5)

@@ -479,7 +479,7 @@ class ServingManager:
             return out
         return None
 
-    def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
+    def request_id_iter(self, request_id: str, *, timeout: float | None = None) -> Iterator[GenerationOutput]:
         """The request's results as they come: partial ones whose tokens grow (for a request
         added with ``streaming=True``), then the finished one; stops early after ``timeout``
         seconds without news."""
