@@ -201,6 +201,12 @@ def test_the_serving_loop(served):
         assert set(rest) == {"s0", "s2", "s4"}
         for k, out in rest.items():
             assert out.generated_tokens == expected(served, *prompts[k], None)
+        streamed = manager.add_request([9, 8], max_new_tokens=7, streaming=True, eos_token_id=())
+        outs = [manager.get_result(streamed, timeout=60)]  # as in transformers: its partial results, then the final one
+        while not outs[-1].is_finished():
+            outs.append(manager.get_result(streamed, timeout=60))
+        assert len(outs) > 1 and [len(o.generated_tokens) for o in outs] == sorted(len(o.generated_tokens) for o in outs)
+        assert outs[-1].generated_tokens == expected(served, [9, 8], None, 7, None)
         long = manager.add_request([7, 8, 9], adapter_name="a", max_new_tokens=25, eos_token_id=())
         manager.cancel_request(long)
         out = manager.get_result(long, timeout=60)

@@ -329,15 +329,16 @@ class ServingManager:
     """A running loop over the engine, on a background thread (a daemon, named
     ``fxlora-serving``). Use it as a context manager: ``with cm.serve() as manager``.
 
-    Each finished result is handed out once: to ``get_result(request_id)`` or
+    Each result is handed out once, in the order it came: to ``get_result(request_id)`` or
     ``request_id_iter(request_id)`` if asked for by id, otherwise to ``get_result()`` or
-    iteration, oldest first. A streaming request's partial results go to
-    ``request_id_iter``; unread, they are dropped with the request's final result."""
+    iteration, oldest first. As in transformers, a request added with ``streaming=True``
+    gives partial results (``finish_reason`` None, the tokens so far) before its final one,
+    each handed out the same way."""
 
     def __init__(self, requests: Requests):
         self.requests, self.engine = requests, requests.engine
         self._results: dict[str, list[GenerationOutput]] = {}  # per request: partials, then the final one
-        self._order: list[str] = []  # finished requests, oldest first, not yet handed out
+        self._order: list[str] = []  # the request of each result not yet handed out, oldest first
         self._changed = threading.Condition()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -425,8 +426,7 @@ class ServingManager:
             for event in events:
                 rid = event.seq.request_id
                 self._results.setdefault(rid, []).append(event.seq.output())
-                if event.finished:
-                    self._order.append(rid)
+                self._order.append(rid)
             self.engine.forget(events)
             self._changed.notify_all()
 
@@ -473,9 +473,9 @@ class ServingManager:
         self._wake.set()
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
-        """The next finished result (of ``request_id``, if given), or None after ``timeout``
-        seconds."""
-        for out in self._take(request_id, timeout, partial=False):
+        """The next result (of ``request_id``, if given: a streaming request's partial ones,
+        then its final one), or None after ``timeout`` seconds."""
+        for out in self._take(request_id, timeout):
             return out
         return None
 
@@ -483,10 +483,11 @@ class ServingManager:
         """The request's results as they come: partial ones whose tokens grow (for a request
         added with ``streaming=True``), then the finished one; stops early after ``timeout``
         seconds without news."""
-        yield from self._take(request_id, timeout, partial=True)
+        yield from self._take(request_id, timeout)
 
     def __iter__(self) -> Iterator[GenerationOutput]:
-        """Finished results as they come, until the loop stops and every one was read."""
+        """Results as they come (a streaming request's partial ones too), until the loop stops
+        and every one was read."""
         while True:
             out = self.get_result(timeout=0.1)
             if out is not None:
@@ -496,14 +497,14 @@ class ServingManager:
                     if not self._order:
                         return
 
-    def _take(self, request_id: str | None, timeout: float | None, partial: bool) -> Iterator[GenerationOutput]:
+    def _take(self, request_id: str | None, timeout: float | None) -> Iterator[GenerationOutput]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._changed:
                 if request_id is not None:
                     self._claimed[request_id] = self._claimed.get(request_id, 0) + 1
                 try:
-                    while (out := self._next(request_id, partial)) is None:
+                    while (out := self._next(request_id)) is None:
                         if request_id is not None and request_id not in self._results and not self.engine.knows(request_id):
                             if self.is_driver or self._closed:  # (on the other ranks, rank 0's requests are on their way)
                                 raise KeyError(f"no request {request_id!r}: unknown, or its result was already read")
@@ -524,20 +525,16 @@ class ServingManager:
             if out.is_finished():
                 return
 
-    def _next(self, request_id: str | None, partial: bool) -> GenerationOutput | None:
-        """The next result to hand out (under the lock): the oldest finished one, or the
-        request's next partial (with ``partial``) or its final one."""
-        if request_id is None:  # the oldest finished result no caller waits for by id
+    def _next(self, request_id: str | None) -> GenerationOutput | None:
+        """The next result to hand out (under the lock): the oldest one no caller waits for by
+        id, or the request's oldest."""
+        if request_id is None:
             request_id = next((r for r in self._order if r not in self._claimed), None)
-            if request_id is None:
-                return None
-        results = self._results.get(request_id)
-        while results:
-            out = results.pop(0)
-            if out.is_finished():
-                del self._results[request_id]
-                self._order.remove(request_id)
-                return out
-            if partial:
-                return out
-        return None
+        results = self._results.get(request_id) if request_id is not None else None
+        if not results:
+            return None
+        out = results.pop(0)
+        self._order.remove(request_id)  # (its first entry: its oldest result)
+        if out.is_finished():
+            del self._results[request_id]
+        return out
