@@ -214,7 +214,7 @@ def _prompt(input_ids: Any, vocab_size: int | None) -> list[int]:
     return prompt
 
 
-# transformers' generate_batch arguments of the whole call, with the one value fxlora's serves as it is
+# transformers' generate_batch arguments of the whole call, and the one value of each that fxlora serves
 CALL_ARGUMENTS = {
     "warmup": (True, "the stream's engine captures its graphs when it is built (the first call, or cm.serve())"),
     "persistent_manager": (True, "the stream's engine (its paged cache and graphs) stays with the compiled model"),
