@@ -16,12 +16,13 @@ import os
 import types
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from fxlora.adapters import AdapterPool, experts, model_modules, placement, read_adapter, sharding
-from fxlora.adapters.peft_format import AdapterSource
+from fxlora.adapters.peft_format import AdapterSource, LoraAdapter, directory_stamp
 from fxlora.adapters.quantization import check_quantized
 from fxlora.compiler import experts_op, progress
 from fxlora.compiler.experts_probe import choose_layout
@@ -256,8 +257,9 @@ class CompiledModel(torch.nn.Module):
         graphs are not retraced. On any error nothing changes. ``source`` is a PEFT adapter
         directory, a ``(config, state_dict)`` pair or a ``{"config": ..., "state_dict": ...}``
         mapping. fxlora's earlier order, ``load_adapter(name, source)``, is read too where the
-        arguments tell it: a source that is not a string, or a directory after a name."""
-        if isinstance(source, str) and adapter_name is not None and not _is_dir(source):
+        arguments tell it: a name (no directory, nothing like a path) first, then a source that
+        is not a string or is a directory."""
+        if isinstance(source, str) and adapter_name is not None and not _is_dir(source) and not _path_like(source):
             if not isinstance(adapter_name, str) or _is_dir(adapter_name):
                 source, adapter_name = adapter_name, source  # load_adapter(name, source)
         self._load(adapter_name, source)  # name and source are checked with the adapter (on every rank)
@@ -274,8 +276,14 @@ class CompiledModel(torch.nn.Module):
         self.pool.unload(name)
 
     def delete_adapter(self, adapter_names: str | Sequence[str]) -> None:
-        """PEFT's name for :meth:`unload_adapter`; takes one name or several."""
-        for name in [adapter_names] if isinstance(adapter_names, str) else adapter_names:
+        """PEFT's name for :meth:`unload_adapter`; takes one name or several, and unloads none
+        if any is not loaded."""
+        names = [adapter_names] if isinstance(adapter_names, str) else adapter_names
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise AdapterError(f"delete_adapter takes an adapter name or a list of names, got {adapter_names!r}")
+        if missing := [n for n in names if n not in self.pool.adapters]:
+            raise AdapterError(f"adapter(s) {missing} not loaded, so none was deleted; loaded: {sorted(self.pool.adapters)}")
+        for name in names:
             self.unload_adapter(name)
 
     def explain(self) -> str:
@@ -321,6 +329,11 @@ def _tuple(buckets: Sequence[int] | None) -> tuple[int, ...] | None:
 
 def _is_dir(path: str) -> bool:
     return os.path.isdir(os.fspath(path))
+
+
+def _path_like(text: str) -> bool:
+    """Whether ``text`` reads as a path (a missing directory), never as an adapter's name."""
+    return os.sep in text or "/" in text or text.startswith((".", "~"))
 
 
 def batch_of_prompts(
@@ -497,10 +510,18 @@ def compile(
 def load(pool: AdapterPool, model: torch.nn.Module, name: str, source: AdapterSource, group: object | None) -> None:
     """Read, place and load one adapter. With the ``group`` of a tensor-parallel model every
     rank loads it or none does: a rank that fails tells the others, which raise too."""
+    reread = None
+    if isinstance(source, (str, os.PathLike)):  # the host tier may drop its factors and read them again
+        path = Path(source).absolute()  # (from where it was, whatever the working directory is then)
+        stamp = directory_stamp(path)
+
+        def reread() -> LoraAdapter:
+            if directory_stamp(path) != stamp:
+                raise AdapterError(f"adapter {name!r} ({path}): its files changed since it was loaded: load it again")
+            return placement.resolve(read_adapter(name, path), model)
+
     with sharding.one_outcome(group):
         adapter = placement.resolve(read_adapter(name, source), model)
-    # a directory can be read again: the host tier may drop its factors and re-read them when needed
-    reread = (lambda: placement.resolve(read_adapter(name, source), model)) if isinstance(source, (str, os.PathLike)) else None
     pool.load(adapter, group, reload=reread)
 
 

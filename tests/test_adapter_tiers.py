@@ -114,6 +114,29 @@ def test_the_host_tier_reads_adapters_again_beyond_its_bound(model, tmp_path):
     assert torch.equal(cm(input_ids=ids, adapter_names=["d3"]).logits, cm(input_ids=ids, adapter_names=["d3"]).logits)
 
 
+def test_an_adapter_read_again_is_the_one_loaded_or_an_error(model, tmp_path, monkeypatch):
+    """Read again from its directory (the host tier dropped it), an adapter comes from where it
+    was loaded whatever the working directory is then, and files changed since are refused."""
+    torch._dynamo.reset()
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    for d in ("first", "second"):
+        for i, n in enumerate(("a", "b")):
+            make_adapter(model, config, seed=300 + 10 * i + len(d), directory=str(tmp_path / d / n), scale=0.3)
+    monkeypatch.chdir(tmp_path / "first")
+    cm = fxlora.compile(model, adapters={"a": "a", "b": "b"}, max_loras=1, max_cpu_loras=1, max_rank=8)
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(13))
+    cm(input_ids=ids, adapter_names=["b"])  # "a" leaves its slot, its factors dropped from the host tier
+    assert "rank <= 4" in cm.explain()  # (a dropped adapter's modules keep their ranks)
+    monkeypatch.chdir(tmp_path / "second")  # another "a" here: not the one loaded
+    peft = peft_model_with(model, {"a": str(tmp_path / "first" / "a")})
+    ref = reference_logits(model, peft, ["a"], input_ids=ids)
+    torch.testing.assert_close(cm(input_ids=ids, adapter_names=["a"]).logits, ref, rtol=1e-5, atol=1e-5)
+    cm(input_ids=ids, adapter_names=["b"])
+    make_adapter(model, config, seed=999, directory=str(tmp_path / "first" / "a"), scale=0.3)  # rewritten in place
+    with pytest.raises(fxlora.AdapterError, match="'a' .*first/a.*files changed since it was loaded"):
+        cm(input_ids=ids, adapter_names=["a"])
+
+
 def test_reloading_an_adapter_another_call_reads_needs_no_free_slot(model, many):
     torch._dynamo.reset()
     cm = fxlora.compile(model, adapters={k: many[k] for k in ("ad00", "ad01")}, max_loras=2, max_rank=8)

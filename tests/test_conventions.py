@@ -152,6 +152,13 @@ def test_load_adapter_takes_peft_order_and_delete_adapter(cm, adapters, model, t
     cm.unload_adapter("d")
     with pytest.raises(fxlora.AdapterError, match="adapter 'zzz': nope/x is not a directory"):
         cm.load_adapter("nope/x", "zzz")
+    (tmp_path / "d2").mkdir()
+    with pytest.raises(fxlora.AdapterError, match="d_v3 is not a directory"):  # a missing path: never read as a name
+        cm.load_adapter(str(tmp_path / "d_v3"), adapter_name=str(tmp_path / "d2"))
+    with pytest.raises(fxlora.AdapterError, match=r"\['nope'\] not loaded, so none was deleted"):
+        cm.delete_adapter(["b", "nope"])
+    with pytest.raises(fxlora.AdapterError, match="an adapter name or a list of names, got None"):
+        cm.delete_adapter(None)
     assert cm.adapter_names == ["a", "b"]
 
 

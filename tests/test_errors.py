@@ -169,6 +169,23 @@ def test_unsupported_peft_features(cm, ids, model, tmp_path, config, feature):
     assert_load_fails(cm, ids, adapter_dir(model, tmp_path, **config), "unsupported PEFT feature", feature)
 
 
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga"])
+def test_initialisations_that_rewrite_the_base_are_refused(cm, ids, model, tmp_path, init):
+    path = adapter_dir(model, tmp_path)
+    config_file = tmp_path / "adapter" / "adapter_config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"init_lora_weights": init}))
+    assert_load_fails(cm, ids, path, f"init_lora_weights={init!r}", "rewrites the base weights")
+
+
+def test_config_fields_peft_does_not_know_warn(cm, model, tmp_path):
+    path = adapter_dir(model, tmp_path)
+    config_file = tmp_path / "adapter" / "adapter_config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"use_future_feature": True}))
+    with pytest.warns(fxlora.AdapterWarning, match=r"'late' .*\['use_future_feature'\]"):
+        cm.load_adapter(path, adapter_name="late")
+    cm.unload_adapter("late")
+
+
 def test_unsupported_feature_in_tensors(cm, ids, model):
     config, state = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj"]), 0, "")
     state["base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"] = torch.ones(32)

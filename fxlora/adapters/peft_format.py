@@ -16,6 +16,7 @@ import math
 import numbers
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn, Union
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fxlora.errors import AdapterError
+from fxlora.errors import AdapterError, AdapterWarning
 
 if TYPE_CHECKING:  # peft is imported when an adapter is read: importing it pulls in torchao and bitsandbytes
     from peft import LoraConfig
@@ -45,6 +46,8 @@ UNSUPPORTED_FEATURES = {
     "kasa_config": "KaSA (kasa_config)",
     "megatron_config": "Megatron parallel layers (megatron_config)",
 }
+# initialisations under which PEFT, loading the adapter, rewrites the base weights too
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 _PREFIX = "base_model.model."
 # `<module>.lora_A.weight`, also with an adapter name before `.weight` as in a PeftModel's
@@ -142,6 +145,22 @@ def check_name(name: object) -> None:
         raise AdapterError(f"adapter name {name!r} is not a non-empty string{hint}")
     if name == BASE_NAME:
         raise AdapterError(f"adapter name {name!r} is reserved: in adapter_names it means the base model, as in PEFT")
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def directory_stamp(path: Path) -> tuple:
+    """What tells an adapter directory's files from others written there later: each file's
+    size, modification time and inode."""
+    stamp = []
+    for file in ADAPTER_FILES:
+        try:
+            st = (path / file).stat()
+        except OSError:
+            continue
+        stamp.append((file, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(stamp)
 
 
 def _read_directory(name: str, path: Path) -> tuple[dict, dict[str, torch.Tensor], str]:
@@ -286,10 +305,23 @@ def _lora_config(name: str, where: str, config_dict: dict) -> LoraConfig:
             raise AdapterError(f"adapter {name!r} ({where}): unsupported PEFT feature: {feature}")
     if config_dict.get("bias", "none") != "none":
         raise AdapterError(f"adapter {name!r} ({where}): unsupported PEFT feature: trained biases (bias={config_dict['bias']!r})")
+    init = config_dict.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        raise AdapterError(
+            f"adapter {name!r} ({where}): init_lora_weights={init!r}: PEFT rewrites the base weights when it loads such "
+            "an adapter, and fxlora serves the base as it is: save the adapter as a plain LoRA (PEFT's "
+            "path_initial_model_for_weight_conversion) to serve it"
+        )
     _check_fields(name, where, config_dict)
     from peft import LoraConfig
 
     known = {f.name for f in dataclasses.fields(LoraConfig)}
+    if unknown := sorted(k for k in config_dict if k not in known and k != "peft_type"):
+        warnings.warn(
+            f"adapter {name!r} ({where}): config fields this PEFT does not know are ignored: {unknown}",
+            AdapterWarning,
+            stacklevel=4,
+        )
     dropped = {"peft_type", "runtime_config"}
     dropped |= {k for k in ("rank_pattern", "alpha_pattern") if config_dict.get(k) is None}  # null: none, PEFT's {}
     kwargs = {k: v for k, v in config_dict.items() if k in known and k not in dropped}

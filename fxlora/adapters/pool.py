@@ -42,6 +42,7 @@ class _Dropped:
     """A module's LoRA the host tier dropped: read again from the adapter's source when needed."""
 
     kind: str
+    rank: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -641,7 +642,7 @@ class AdapterPool:
         for old in droppable[: max(0, len(self.host) - self.max_cpu_loras)]:
             del self.host[old]
             adapter = self.adapters[old]
-            self.adapters[old] = dataclasses.replace(adapter, modules={k: _Dropped(f.kind) for k, f in adapter.modules.items()})
+            self.adapters[old] = dataclasses.replace(adapter, modules={k: _Dropped(f.kind, f.rank) for k, f in adapter.modules.items()})
 
     def _factors(self, name: str) -> LoraAdapter:
         """``name``'s factors, read again from its source (and checked again) if the host tier
