@@ -159,6 +159,10 @@ def test_load_adapter_takes_peft_order_and_delete_adapter(cm, adapters, model, t
         cm.delete_adapter(["b", "nope"])
     with pytest.raises(fxlora.AdapterError, match="an adapter name or a list of names, got None"):
         cm.delete_adapter(None)
+    with pytest.raises(fxlora.AdapterError, match=r"one adapter's name, got list \['a'\]"):
+        cm.unload_adapter(["a"])
+    with pytest.raises(fxlora.AdapterError, match=r"adapter_names\[1\] must be an adapter's name or None, got list"):
+        cm(input_ids=ids_of(2, 4, 0), adapter_names=["a", ["a"]])
     assert cm.adapter_names == ["a", "b"]
 
 

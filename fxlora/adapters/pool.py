@@ -710,6 +710,8 @@ class AdapterPool:
     def unload(self, name: str) -> None:
         """Take ``name`` out: calls that start later cannot name it. Its slot is zeroed now,
         or, while calls in flight read it, when the last of them ends."""
+        if not isinstance(name, str):
+            raise AdapterError(f"unload_adapter takes one adapter's name, got {type(name).__name__} {name!r} (delete_adapter takes several)")
         with self._lock:
             if name not in self.adapters:
                 raise AdapterError(f"adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")

@@ -178,7 +178,11 @@ def check_names(adapter_names: Sequence[str | None] | None) -> tuple[str | None,
             f"adapter_names must be a sequence with one name (or None) per row, got the string {adapter_names!r}: "
             f"write [{adapter_names!r}] for one row"
         )
-    return tuple(None if n == BASE_NAME else n for n in adapter_names)
+    names = tuple(None if n == BASE_NAME else n for n in adapter_names)
+    for row, name in enumerate(names):
+        if name is not None and not isinstance(name, str):
+            raise AdapterError(f"adapter_names[{row}] must be an adapter's name or None, got {type(name).__name__} {name!r}")
+    return names
 
 
 @contextlib.contextmanager
