@@ -153,3 +153,34 @@ def test_adapter_rows_never_get_base_outputs_under_torch_compile(model):
             compiled(input_ids=ids)
     with torch.compiler.set_stance("force_eager"), fxlora.use_adapters([None, None]):
         compiled(input_ids=ids)  # base rows only: nothing is missing
+
+
+def test_modules_named_from_another_frame_than_the_models_are_refused_for_adapter_rows(model, monkeypatch):
+    """A graph break inside a module, or torch.compile of a submodule, names the modules from
+    the frame Dynamo compiled (``q_proj``, ``layers.0.self_attn.q_proj``): which layer's LoRA they
+    need cannot be told, so adapter rows raise instead of getting base outputs; base rows run."""
+    from transformers.models.llama import modeling_llama
+
+    adapters = {"a": make_adapter(model, LoraConfig(r=4, target_modules=["q_proj"]), 0, "")}
+    ids = torch.randint(3, 96, (2, 4))
+    forward = modeling_llama.LlamaAttention.forward
+
+    def broken(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return forward(self, *args, **kwargs)
+
+    torch._dynamo.reset()
+    with monkeypatch.context() as patch:
+        patch.setattr(modeling_llama.LlamaAttention, "forward", broken)
+        compiled = torch.compile(model, backend="fxlora", options={"adapters": adapters, "max_rank": 8})
+        with pytest.raises(fxlora.LoraNotRunError, match="names module 'q_proj' from the frame it compiled"):
+            with fxlora.use_adapters(["a", None]):
+                compiled(input_ids=ids)
+        with fxlora.use_adapters([None, None]):
+            torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits)
+    torch._dynamo.reset()
+    inner = torch.compile(model.model, backend="fxlora", options={"adapters": adapters, "max_rank": 8})
+    with pytest.raises(fxlora.LoraNotRunError, match="'layers.0.self_attn.q_proj' from the frame"):
+        with fxlora.use_adapters(["a", None]):
+            inner(input_ids=ids)
+    torch._dynamo.reset()

@@ -111,9 +111,11 @@ class Backend:
             record = GraphRecord.of(len(self.routers), _role.get(), variants, ctx.records, inner)
             rebuild = functools.partial(self._rebuild, gm, record, inner)
             instances = Instances(variants, example_inputs, self.modules, rebuild)
+            # without the model's tree (torch.compile) modules are named from the compiled frame
+            named = set() if self.modules is not None else {n.meta["fxlora_module"] for n in variants.nolora.graph.nodes if "fxlora_module" in n.meta}
             router = Router(  # compiles the variants
                 instances, self.pool, device, self.graphs, self.lock,
-                owner=self, inner=inner, graph_breaks=self.graph_breaks,
+                owner=self, inner=inner, graph_breaks=self.graph_breaks, frame_names=frozenset(named),
             )  # fmt: skip
         record.regions = router.regions()
         self.routers.append(router)

@@ -279,13 +279,17 @@ class Router:
         owner: object = None,
         inner: str = "eager",
         graph_breaks: Callable[[], list[str]] = list,
+        frame_names: frozenset[str] = frozenset(),
     ):
         """``graphs``: replay the variants from CUDA graphs captured per input signature;
         ``lock``: held while a variant runs (the graphs of one backend share memory);
         ``owner``: what made the router, kept alive as long as Dynamo keeps the graph;
         ``inner``: the inner compiler of the variants (:mod:`fxlora.compiler.inner`);
-        ``graph_breaks``: Dynamo's reasons, for the error when a module ran outside."""
+        ``graph_breaks``: Dynamo's reasons, for the error when a module ran outside;
+        ``frame_names``: the modules the graph calls, named from the frame Dynamo compiled
+        (``torch.compile``, without the model's tree), checked against each call's adapters."""
         self.instances, self.pool, self.device = instances, pool, device
+        self.frame_names = frame_names
         self.owner = owner
         self.lock = lock or threading.RLock()
         self.graphs = graphs
@@ -313,6 +317,8 @@ class Router:
         if slot_ids is None:
             return self._run(self.instances.traced, "nolora", args)
         selection.graph_breaks = self.graph_breaks
+        if self.frame_names:
+            self._check_frame_names(selection)
         with self.lock:  # building another instance's variants runs the passes, which share the backend's records
             variants = self.instances.of(args)
         if variants is None:  # the instance's modules have no name: none of its LoRA runs
@@ -324,6 +330,23 @@ class Router:
         if variants.lora is None:
             return self._run(variants, "nolora", args)
         return self._run(variants, "lora", (*args, slot_ids))
+
+    def _check_frame_names(self, selection: Selection) -> None:
+        """Raise if a module of this graph is named from a frame other than the model's: a
+        name that is not one of the call's adapters' modules but ends one (``q_proj`` of a frame
+        Dynamo resumed inside an attention module after a graph break, or ``layers.0.…`` of a
+        compiled submodule). Which module it is cannot be told, so its LoRA would not run."""
+        names = {n for n in selection.names or () if n is not None}
+        wanted = set().union(*(self.pool.adapters[n].modules.keys() for n in names if n in self.pool.adapters))
+        for module in sorted(self.frame_names - wanted):
+            full = next((w for w in sorted(wanted) if w.endswith("." + module)), None)
+            if full is not None:
+                raise LoraNotRunError(
+                    f"adapter(s) {sorted(names)}: a graph Dynamo compiled names module {module!r} from the frame it "
+                    f"compiled, not from the model (after a graph break inside a module, or torch.compile of a submodule), "
+                    f"so fxlora cannot tell whether it is {full!r} and its LoRA would not run. Compile the whole model, "
+                    "without graph breaks inside its modules (TORCH_LOGS=graph_breaks), or use fxlora.compile"
+                )
 
     def _compiled_variant(self, variants: Variants, variant: str) -> tuple[Callable[..., Any], str | None]:
         """``variant`` of ``variants`` compiled by the inner compiler, and why it must run
