@@ -163,6 +163,8 @@ def test_load_adapter_takes_peft_order_and_delete_adapter(cm, adapters, model, t
         cm.unload_adapter(["a"])
     with pytest.raises(fxlora.AdapterError, match=r"adapter_names\[1\] must be an adapter's name or None, got list"):
         cm(input_ids=ids_of(2, 4, 0), adapter_names=["a", ["a"]])
+    with pytest.raises(fxlora.AdapterError, match="in row order, got set"):
+        cm(input_ids=ids_of(2, 4, 0), adapter_names={"a", "b"})
     assert cm.adapter_names == ["a", "b"]
 
 
@@ -258,6 +260,10 @@ def test_streamer_gets_the_prompt_then_each_token(cm):
     ids, streamer = ids_of(1, 4, 10), Collect()
     out = cm.generate(ids, adapter_names=["b"], max_new_tokens=3, eos_token_id=(), streamer=streamer)
     assert streamer.ended and torch.equal(torch.cat([p.view(1, -1) for p in streamer.parts], 1), out)
+    end = int(out[0, 5])  # the second new token as the end token: the call ends there, and so does the stream
+    streamer = Collect()
+    ended = cm.generate(ids, adapter_names=["b"], max_new_tokens=12, eos_token_id=end, pad_token_id=0, streamer=streamer)
+    assert ended.shape[1] <= 6 and torch.equal(torch.cat([p.view(1, -1) for p in streamer.parts], 1), ended)
 
 
 def test_a_list_of_token_lists_is_left_padded(cm, model, adapters):

@@ -282,17 +282,20 @@ class DecodeRuntime:
         bucket = self.bucket_for(rows)  # checked before the call: it fits
         finished = _Finished(rows, len(eos) > 0, max_new_tokens, self.device, wait=self.ranks_agree)
         out = [ids]
+        streamed_ended = torch.zeros(rows, dtype=torch.bool)  # with a streamer: the rows ended, as the host saw
         for step in range(max_new_tokens):
             logits = logits.float()
             if step < min_new_tokens and eos_ids:
                 logits[:, eos] = float("-inf")  # no end before min_new_tokens
             tokens = torch.where(finished.rows, pad, sampling.pick(logits))
             out.append(tokens[:, None])
-            if streamer is not None:
-                streamer.put(tokens.cpu())
+            if streamer is not None:  # (the streamer reads every step's tokens anyway)
+                host = tokens.cpu()
+                streamer.put(host)
+                streamed_ended |= torch.isin(host, torch.tensor(eos_ids, dtype=torch.long))
             finished.update(step, tokens, eos)
-            if step == max_new_tokens - 1 or finished.seen_all(step):
-                break
+            if step == max_new_tokens - 1 or finished.seen_all(step) or (not self.ranks_agree and bool(streamed_ended.all())):
+                break  # (once every row ended, the streamer gets no padding)
             column = length + step
             self.ids[:rows, 0].copy_(tokens)
             self.column.fill_(column)

@@ -178,6 +178,11 @@ def check_names(adapter_names: Sequence[str | None] | None) -> tuple[str | None,
             f"adapter_names must be a sequence with one name (or None) per row, got the string {adapter_names!r}: "
             f"write [{adapter_names!r}] for one row"
         )
+    if not isinstance(adapter_names, (list, tuple)):  # a set or a dict has no row order
+        raise AdapterError(
+            f"adapter_names must be a list or tuple with one name (or None) per row, in row order, got "
+            f"{type(adapter_names).__name__}"
+        )
     names = tuple(None if n == BASE_NAME else n for n in adapter_names)
     for row, name in enumerate(names):
         if name is not None and not isinstance(name, str):

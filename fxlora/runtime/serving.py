@@ -261,8 +261,10 @@ def generate_batch(
     if isinstance(inputs, (str, torch.Tensor)) or not isinstance(inputs, Seq):
         raise TypeError(f"inputs must be a list of token-id lists, got {type(inputs).__name__}")
     n = len(inputs)
+    if adapter_names is not None and not isinstance(adapter_names, (list, tuple)):  # a set or dict has no order
+        raise AdapterError(f"adapter_names must be a list or tuple, one per input in input order, got {type(adapter_names).__name__}")
     names = list(adapter_names) if adapter_names is not None else [None] * n
-    if isinstance(adapter_names, str) or len(names) != n:
+    if len(names) != n:
         raise AdapterError(f"adapter_names must have one entry (a name or None) per input: {n} inputs, got {adapter_names!r}")
     for key, values in per_input.items():
         if len(values) != n:
