@@ -243,8 +243,9 @@ class CompiledModel(torch.nn.Module):
                 "stop strings' token ids as eos_token_id"
             )
         settings = resolve_generation(self.generation_config, generation_config, **kwargs)
-        settings.check_tokens(getattr(self.config.get_text_config(decoder=True), "vocab_size", None))
-        input_ids, attention_mask = batch_of_prompts(input_ids, attention_mask, settings.pad_token_id)
+        vocab = getattr(self.config.get_text_config(decoder=True), "vocab_size", None)
+        settings.check_tokens(vocab)
+        input_ids, attention_mask = batch_of_prompts(input_ids, attention_mask, settings.pad_token_id, vocab)
         names = check_names(adapter_names)
         if names is None:
             warn_unnamed(self.pool, stacklevel=4)  # the caller's line, past no_grad's wrapper
@@ -337,10 +338,11 @@ def _path_like(text: str) -> bool:
 
 
 def batch_of_prompts(
-    input_ids: Any, attention_mask: torch.Tensor | None, pad_token_id: int | None
+    input_ids: Any, attention_mask: torch.Tensor | None, pad_token_id: int | None, vocab_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``generate``'s prompts as a 2-D tensor of at least one row and one token: a tensor as it
-    is, or a list of token-id lists left-padded (with ``pad_token_id``, else 0) with its mask."""
+    is, or a list of token-id lists left-padded (with ``pad_token_id``, else 0) with its mask;
+    every id checked against ``vocab_size`` (one read of the prompts, once per call)."""
     if isinstance(input_ids, (list, tuple)):
         if attention_mask is not None:
             raise ValueError("attention_mask goes with a tensor of input_ids; a list of token lists needs none")
@@ -356,6 +358,14 @@ def batch_of_prompts(
     if input_ids.dim() != 2 or 0 in input_ids.shape:
         shape = tuple(input_ids.shape)
         raise ValueError(f"input_ids must be (rows, tokens) with at least one of each, got shape {shape}")
+    if vocab_size is not None and not input_ids.is_floating_point():
+        outside = (input_ids < 0) | (input_ids >= vocab_size)
+        if bool(outside.any()):
+            row, column = (int(i) for i in outside.nonzero()[0])
+            raise ValueError(
+                f"input_ids[{row}, {column}] = {int(input_ids[row, column])} is not a token id of the model "
+                f"(0 <= id < vocab_size={vocab_size})"
+            )
     return input_ids, attention_mask
 
 

@@ -224,6 +224,8 @@ def test_unknown_and_unserved_keywords_are_named(cm):
         cm.generate(ids, max_new_tokens=2, stop_strings=["x"])
     with pytest.raises(ValueError, match="leaves no room for new tokens"):
         cm.generate(ids, max_length=4)
+    with pytest.raises(ValueError, match=rf"input_ids\[0, 2\] = {VOCAB + 5} is not a token id of the model"):
+        cm.generate(torch.tensor([[5, 6, VOCAB + 5]]), max_new_tokens=2)
 
 
 def test_the_serving_manager_takes_transformers_positional_order():
