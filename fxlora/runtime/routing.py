@@ -295,6 +295,7 @@ class Router:
         (``torch.compile``, without the model's tree), checked against each call's adapters."""
         self.instances, self.pool, self.device = instances, pool, device
         self.frame_names = frame_names
+        self._frame_verdicts: dict[frozenset, str | None] = {}  # adapters -> why their LoRA cannot run here
         self.owner = owner
         self.lock = lock or threading.RLock()
         self.graphs = graphs
@@ -340,18 +341,27 @@ class Router:
         """Raise if a module of this graph is named from a frame other than the model's: a
         name that is not one of the call's adapters' modules but ends one (``q_proj`` of a frame
         Dynamo resumed inside an attention module after a graph break, or ``layers.0.…`` of a
-        compiled submodule). Which module it is cannot be told, so its LoRA would not run."""
-        names = {n for n in selection.names or () if n is not None}
-        wanted = set().union(*(self.pool.adapters[n].modules.keys() for n in names if n in self.pool.adapters))
-        for module in sorted(self.frame_names - wanted):
-            full = next((w for w in sorted(wanted) if w.endswith("." + module)), None)
-            if full is not None:
-                raise LoraNotRunError(
-                    f"adapter(s) {sorted(names)}: a graph Dynamo compiled names module {module!r} from the frame it "
-                    f"compiled, not from the model (after a graph break inside a module, or torch.compile of a submodule), "
-                    f"so fxlora cannot tell whether it is {full!r} and its LoRA would not run. Compile the whole model, "
-                    "without graph breaks inside its modules (TORCH_LOGS=graph_breaks), or use fxlora.compile"
+        compiled submodule). Which module it is cannot be told, so its LoRA would not run. The
+        verdict is kept per set of adapters (as loaded: a reload is another)."""
+        adapters = {n: self.pool.adapters.get(n) for n in selection.names or () if n is not None}
+        key = frozenset((n, id(a)) for n, a in adapters.items())
+        if key not in self._frame_verdicts:
+            if len(self._frame_verdicts) >= 64:  # (adapters read again are new objects: keep it small)
+                self._frame_verdicts.clear()
+            wanted = set().union(*(a.modules.keys() for a in adapters.values() if a is not None))
+            endings = {w.split(".", i)[-1]: w for w in sorted(wanted) for i in range(1, w.count(".") + 1)}
+            clash = sorted((self.frame_names - wanted) & endings.keys())
+            self._frame_verdicts[key] = (
+                None if not clash else (
+                    f"adapter(s) {sorted(adapters)}: a graph Dynamo compiled names module {clash[0]!r} from the frame it "
+                    f"compiled, not from the model (after a graph break inside a module, or torch.compile of a "
+                    f"submodule), so fxlora cannot tell whether it is {endings[clash[0]]!r} and its LoRA would not run. "
+                    "Compile the whole model, without graph breaks inside its modules (TORCH_LOGS=graph_breaks), or use "
+                    "fxlora.compile"
                 )
+            )  # fmt: skip
+        if (error := self._frame_verdicts[key]) is not None:
+            raise LoraNotRunError(error)
 
     def _compiled_variant(self, variants: Variants, variant: str) -> tuple[Callable[..., Any], str | None]:
         """``variant`` of ``variants`` compiled by the inner compiler, and why it must run
