@@ -283,6 +283,7 @@ class DecodeRuntime:
         finished = _Finished(rows, len(eos) > 0, max_new_tokens, self.device, wait=self.ranks_agree)
         out = [ids]
         streamed_ended = torch.zeros(rows, dtype=torch.bool)  # with a streamer: the rows ended, as the host saw
+        host_eos = torch.tensor(eos_ids, dtype=torch.long)
         for step in range(max_new_tokens):
             logits = logits.float()
             if step < min_new_tokens and eos_ids:
@@ -292,7 +293,7 @@ class DecodeRuntime:
             if streamer is not None:  # (the streamer reads every step's tokens anyway)
                 host = tokens.cpu()
                 streamer.put(host)
-                streamed_ended |= torch.isin(host, torch.tensor(eos_ids, dtype=torch.long))
+                streamed_ended |= torch.isin(host, host_eos)
             finished.update(step, tokens, eos)
             if step == max_new_tokens - 1 or finished.seen_all(step) or (not self.ranks_agree and bool(streamed_ended.all())):
                 break  # (once every row ended, the streamer gets no padding)
