@@ -125,6 +125,7 @@ def test_generate_with_an_end_token_does_not_synchronise_per_step_on_any_rank(ca
     new = script["max_new_tokens"]
     for out, report in ranks:
         assert report["ended_as_without_sync_checks"]
+        assert report["generate_syncs"] == 1  # the prompt's vocabulary check, once per call
         row = out["generated"][0, -new:].tolist()
         eos = row[new // 2]  # the worker's end token: row 0 makes it half-way, the others go on
         ended = out["ended"][0, -new:].tolist()
