@@ -203,21 +203,66 @@ def test_two_calls_waiting_for_one_adapter_place_it_once(model, many):
 @given(data=st.data())
 def test_factors_packed_into_few_host_buffers_keep_their_values(data):
     """The host tier's copies of an adapter's factors (pinned on CUDA, in a few allocations):
-    each equals its tensor, and no buffer holds more than ``PACK_BYTES`` but one tensor larger
-    than that."""
+    each equals its tensor, a group's lie end to end in one buffer, and no buffer holds more
+    than ``PACK_BYTES`` but one group larger than that."""
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
-    shapes = data.draw(st.lists(st.tuples(st.integers(0, 24), st.integers(1, 40)), min_size=1, max_size=12))
-    tensors = []
-    for i, (rows, cols) in enumerate(shapes):
-        t = torch.randn(cols, rows, generator=torch.Generator().manual_seed(i)).t()  # not contiguous
-        dtype = data.draw(st.sampled_from(dtypes))
-        tensors.append((t * 50).to(dtype) if dtype == torch.int8 else t.to(dtype))
+    sizes = st.lists(st.tuples(st.integers(0, 24), st.integers(1, 40), st.sampled_from(dtypes)), min_size=1, max_size=4)
+    shapes = data.draw(st.lists(sizes, min_size=1, max_size=6))
+    groups, seed = [], 0
+    for group in shapes:
+        groups.append([])
+        for rows, cols, dtype in group:
+            seed += 1
+            t = torch.randn(cols, rows, generator=torch.Generator().manual_seed(seed)).t()  # not contiguous
+            groups[-1].append((t * 50).to(dtype) if dtype == torch.int8 else t.to(dtype))
     buffers = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pool, "PACK_BYTES", 2048)  # several buffers, and tensors larger than one
-        copies = pool.packed_copies(tensors, lambda n: buffers.append(torch.full((n,), 255, dtype=torch.uint8)) or buffers[-1])
-    assert all(torch.equal(c, t) and c.dtype == t.dtype for c, t in zip(copies, tensors, strict=True))
-    assert sum(b.numel() for b in buffers) < sum(t.nbytes for t in tensors) + 64 * len(tensors)
+        mp.setattr(pool, "PACK_BYTES", 2048)  # several buffers, and groups larger than one
+        copies = pool.packed_copies(groups, lambda n: buffers.append(torch.full((n,), 255, dtype=torch.uint8)) or buffers[-1])
+    tensors = [t for group in groups for t in group]
+    flat = [c for group in copies for c in group]
+    assert [len(c) for c in copies] == [len(g) for g in groups]
+    assert all(torch.equal(c, t) and c.dtype == t.dtype for c, t in zip(flat, tensors, strict=True))
+    assert sum(b.numel() for b in buffers) < sum(t.nbytes for t in tensors) + 64 * len(groups) + 8 * len(tensors)
+    for group in copies:  # end to end, each at the first address of its dtype's alignment after the one before
+        held = [c for c in group if c.numel()]
+        for before, c in zip(held, held[1:]):
+            gap = c.data_ptr() - (before.data_ptr() + before.nbytes)
+            assert 0 <= gap < c.element_size()
     for b in buffers:
-        held = [c for c in copies if c.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()]
+        held = [g for g in copies if g[0].untyped_storage().data_ptr() == b.untyped_storage().data_ptr()]
         assert held and (b.numel() <= 2048 or len(held) == 1)
+
+
+def test_an_adapter_laid_out_in_slot_order_pages_in_with_two_copies_a_stack(model, monkeypatch):
+    """The host tier lays each adapter's factors out in slot order (on CUDA, as it pins them):
+    an adapter that fills a layer's stacks (every member, rank ``max_rank``) goes into a slot
+    in two copies a stack, one of partial targets in a copy per factor and a fill; either way
+    the slot holds what it holds when written factor by factor."""
+    linears = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = {
+        "full": make_adapter(model, LoraConfig(r=8, lora_alpha=16, target_modules=linears), seed=1, directory="", scale=0.3),
+        "part": make_adapter(model, LoraConfig(r=3, lora_alpha=5, target_modules=["k_proj", "up_proj"]), seed=2, directory="", scale=0.3),
+    }
+    cm = fxlora.compile(model, adapters=adapters, max_loras=1, max_rank=8, target_modules=linears)
+    p = cm.pool
+
+    def page_in(name):
+        slots, _ = p.acquire([name])
+        p.release(slots)
+        tables = [t[:, 0].clone() for s in p._sets for t in (s.scaling, s.rank)]
+        return [t[0].clone() for t in p.targets.values() for t in (t.lora_a, t.lora_b)] + tables
+
+    expected = {name: page_in(name) for name in ("full", "part")}
+    with monkeypatch.context() as m:  # as it lays adapters out on CUDA, into host memory here
+        m.setattr(pool, "_pinned_bytes", lambda n: torch.empty(n, dtype=torch.uint8))
+        m.setattr(pool.AdapterPool, "_on_cuda", lambda self: True)
+        for name in adapters:
+            p.adapters[name] = p._pinned(p.adapters[name])
+    copies, foreach_copy = [], torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src, **kw: copies.append(len(dst)) or foreach_copy(dst, src, **kw))
+    stacks = sum(len(s.stacks) for s in p._sets)
+    for name in ("full", "part", "full"):
+        got = page_in(name)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected[name], strict=True)), name
+    assert stacks == 2 * model.config.num_hidden_layers and copies == [2 * stacks, 2 * 2 * model.config.num_hidden_layers, 2 * stacks]

@@ -87,30 +87,34 @@ def test_joins_share_the_members_tensors_whatever_was_built_first(model_and_pool
 
 
 class _Launches(TorchDispatchMode):
-    """Counts the ops that launch work (fills, copies, gathers), not views."""
+    """Counts the ops that launch work (fills, copies, gathers), not views: ``calls`` each op
+    once, ``count`` a list op once per tensor it writes."""
 
     def __init__(self):
         super().__init__()
-        self.count = collections.Counter()
+        self.count, self.calls = collections.Counter(), collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name in ("zero_", "fill_", "copy_", "index_select", "index_put_"):
-            self.count[name] += 1
+        if name in ("zero_", "fill_", "copy_", "index_select", "index_put_", "_foreach_zero_", "_foreach_copy_"):
+            self.calls[name] += 1
+            self.count[name] += len(args[0]) if name.startswith("_foreach") else 1
         return func(*args, **(kwargs or {}))
 
 
 def test_a_slot_is_written_by_tensor_not_by_target(model_and_pool):
-    """Writing an adapter into a slot fills each stack's two tensors once, copies each factor
-    once and each set's scaling and rank once, and gathers each group's: no launch per
-    target and value."""
+    """Writing an adapter into a slot fills each stack's two tensors and copies each factor in
+    one list op each, copies each set's scaling and rank once, and gathers each group's: no
+    launch per target and value."""
     model, pool = model_and_pool
     group = pool.join(QKV)
     slot = pool.load(adapter(model, "x", 3, 4, "all-linear"))
     stacks = sum(len(s.stacks) for s in pool._sets)
     with _Launches() as launches:
         pool._write(slot, pool.adapters["x"])
-    assert launches.count == {"zero_": 2 * stacks, "copy_": 2 * len(pool.targets) + 2 * len(pool._sets), "index_select": 2}
+    sets = len(pool._sets)
+    assert launches.calls == {"_foreach_zero_": 1, "_foreach_copy_": 1, "copy_": 2 * sets, "index_select": 2}
+    assert launches.count == {"_foreach_zero_": 2 * stacks, "_foreach_copy_": 2 * len(pool.targets), "copy_": 2 * sets, "index_select": 2}
     for target in pool.targets.values():  # and it wrote what the adapter holds
         f = pool.adapters["x"].modules[target.fqn]
         assert torch.equal(target.lora_a[slot, : f.rank], f.a) and torch.equal(target.lora_b[slot, :, : f.rank], f.b)

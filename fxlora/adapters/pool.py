@@ -203,15 +203,12 @@ class PoolTarget:
         """This rank's part of an adapter's ``factors`` for this target."""
         return (factors.a, factors.b) if self.info.shard is None else self.info.shard.factors(factors.a, factors.b)
 
-    def write(self, slot: int, factors: LoraFactors | None) -> None:
-        """Put ``factors`` (None: none) into ``slot`` of the target's own tensors (its scaling
-        and rank are its set's to write)."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-        if factors is not None:
-            a, b = self.factors(factors)
-            self.lora_a[slot, ..., : factors.rank, :].copy_(a, non_blocking=True)  # an expert dimension of 1 broadcasts
-            self.lora_b[slot, ..., : factors.rank].copy_(b, non_blocking=True)
+    def copies(self, slot: int, factors: LoraFactors) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (slot view, factor) pairs that put ``factors`` into ``slot``; ranks below
+        ``max_rank`` fill the first rows of A and columns of B (an expert dimension of 1
+        broadcasts)."""
+        a, b = self.factors(factors)
+        return [(self.lora_a[slot, ..., : factors.rank, :], a), (self.lora_b[slot, ..., : factors.rank], b)]
 
 
 @dataclass(eq=False)
@@ -239,21 +236,14 @@ class Stack:
         lora_b = torch.zeros(slots, sum(widths), max_rank, **kw)
         return Stack(tuple(fqn for fqn, _ in members), rows, lora_a, lora_b)
 
-    def write(self, slot: int, members: list[PoolTarget], factors: dict[str, LoraFactors]) -> None:
-        """Put each member's ``factors`` (where it has some) into ``slot``: one fill per
-        tensor, one copy per factor."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-        for target in members:
-            if (f := factors.get(target.fqn)) is not None:
-                a, b = target.factors(f)
-                target.lora_a[slot, : f.rank].copy_(a, non_blocking=True)
-                target.lora_b[slot, :, : f.rank].copy_(b, non_blocking=True)
+    @property
+    def max_rank(self) -> int:
+        return self.lora_b.shape[-1]
 
     def slices(self, first: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of ``lora_a`` and ``lora_b`` over ``count`` members from ``first`` on."""
         i = self.fqns.index(first)
-        max_rank = self.lora_b.shape[-1]
+        max_rank = self.max_rank
         end = self.rows[i + count] if i + count < len(self.rows) else self.lora_b.shape[1]
         return self.lora_a[:, i * max_rank : (i + count) * max_rank], self.lora_b[:, self.rows[i] : end]
 
@@ -287,16 +277,26 @@ PACK_BYTES = 8 << 20  # the host memory one pinned allocation of an adapter's fa
 _ALIGN = 64
 
 
-def packed_copies(tensors: Sequence[torch.Tensor], allocate: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` as views of a few byte buffers from ``allocate(nbytes)``, each of
-    at most :data:`PACK_BYTES` (a tensor larger than that has one of its own).
+def packed_copies(groups: Sequence[Sequence[torch.Tensor]], allocate: Callable[[int], torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Copies of the tensors of ``groups`` as views of a few byte buffers from
+    ``allocate(nbytes)``, each group's end to end in one buffer, each buffer of at most
+    :data:`PACK_BYTES` (a group larger than that has one of its own).
 
     Pinning host memory is a driver call that page-locks it, and the driver takes such calls
     one at a time, across the processes of a host: an 8B model's 16 adapters pinned factor by
     factor (8,192 calls) took 1.2 s alone and 50 s with a second process pinning on the same
     host. PyTorch's pinned allocator rounds each allocation up to a power of two: full buffers
     of :data:`PACK_BYTES` lose nothing to it, the last one less than half of what it takes."""
-    sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for t in tensors]
+    offsets: list[list[int]] = []  # each tensor's byte offset in its group, each aligned to its dtype
+    sizes: list[int] = []  # each group's bytes, rounded up to _ALIGN
+    for group in groups:
+        end, offsets_of = 0, []
+        for t in group:
+            end = -(-end // t.element_size()) * t.element_size()
+            offsets_of.append(end)
+            end += t.nbytes
+        offsets.append(offsets_of)
+        sizes.append(-(-end // _ALIGN) * _ALIGN)
     buffers: list[list[int]] = []
     used = 0
     for i, size in enumerate(sizes):
@@ -305,14 +305,15 @@ def packed_copies(tensors: Sequence[torch.Tensor], allocate: Callable[[int], tor
             used = 0
         buffers[-1].append(i)
         used += size
-    out: list[torch.Tensor] = list(tensors)
+    out: list[list[torch.Tensor]] = [[] for _ in groups]
     for members in buffers:
         buffer = allocate(sum(sizes[i] for i in members))
-        offset = 0
+        start = 0
         for i in members:
-            t = tensors[i]
-            out[i] = buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
-            offset += sizes[i]
+            for t, offset in zip(groups[i], offsets[i]):
+                at = start + offset
+                out[i].append(buffer[at : at + t.nbytes].view(t.dtype).view(t.shape).copy_(t))
+            start += sizes[i]
     return out
 
 
@@ -334,24 +335,57 @@ class TargetSet:
         for t in targets:
             if t.stack is not None:
                 self.stacks.setdefault(id(t.stack), (t.stack, []))[1].append(t)
+        for stack, members in self.stacks.values():  # in the stack's layout order
+            members.sort(key=lambda t: stack.fqns.index(t.fqn))
         self.scaling = torch.zeros(len(targets), slots, dtype=torch.float32, device=device)
         self.rank = torch.zeros(len(targets), slots, dtype=torch.int32, device=device)
         for i, t in enumerate(targets):
             t.scaling, t.rank = self.scaling[i], self.rank[i]
 
-    @torch.no_grad()
-    def write(self, slot: int, adapter: LoraAdapter | None) -> None:
+    def writes(self, slot: int, adapter: LoraAdapter | None) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """What writing ``adapter`` (None: none) into ``slot`` takes: the slot tensors to zero
+        first (a stack's only where its members' factors leave rows of it unwritten) and the
+        (slot view, factor) copies, in slot order; the scaling and rank are :meth:`columns`."""
         factors = adapter.modules if adapter is not None else {}
+        fills: list[torch.Tensor] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for stack, members in self.stacks.values():
-            stack.write(slot, members, factors)
+            found = [(t, factors.get(t.fqn)) for t in members]
+            if all(f is not None and f.rank == stack.max_rank for _, f in found):  # the factors fill the slot
+                parts = [t.factors(f) for t, f in found]
+                a, b = _joined([a for a, _ in parts]), _joined([b for _, b in parts])
+                if a is not None and b is not None:  # and lie end to end: a copy each
+                    copies += [(stack.lora_a[slot].view(-1), a), (stack.lora_b[slot].view(-1), b)]
+                    continue
+            else:
+                fills += [stack.lora_a[slot], stack.lora_b[slot]]
+            copies += [pair for t, f in found if f is not None for pair in t.copies(slot, f)]
         for target in self.targets:
             if target.stack is None:
-                target.write(slot, factors.get(target.fqn))
-        found = [factors.get(t.fqn) for t in self.targets]
-        scaling = torch.tensor([0.0 if f is None else f.scaling for f in found], dtype=torch.float32)
-        rank = torch.tensor([0 if f is None else f.rank for f in found], dtype=torch.int32)
-        for table, values in ((self.scaling, scaling), (self.rank, rank)):
-            table[:, slot].copy_(values.pin_memory() if table.is_cuda else values, non_blocking=True)
+                fills += [target.lora_a[slot], target.lora_b[slot]]
+                if (f := factors.get(target.fqn)) is not None:
+                    copies += target.copies(slot, f)
+        return fills, copies
+
+    def columns(self, adapter: LoraAdapter | None) -> tuple[list[float], list[int]]:
+        """``adapter``'s scaling and rank per target, in table order (0 where it has none)."""
+        found = [None if adapter is None else adapter.modules.get(t.fqn) for t in self.targets]
+        return [0.0 if f is None else f.scaling for f in found], [0 if f is None else f.rank for f in found]
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view over ``tensors`` if each starts where the one before ends, all dense, of
+    one dtype and within the first one's storage; else None."""
+    first = tensors[0]
+    end = first.data_ptr()
+    for t in tensors:
+        if t.data_ptr() != end or t.dtype != first.dtype or not t.is_contiguous():
+            return None
+        end += t.nbytes
+    storage = first.untyped_storage()
+    if end > storage.data_ptr() + storage.nbytes():
+        return None
+    return first.as_strided(((end - first.data_ptr()) // first.element_size(),), (1,), first.storage_offset())
 
 
 class PoolGroup:
@@ -493,7 +527,7 @@ class AdapterPool:
             self._set_of.update(dict.fromkeys((t.fqn for t in targets), written))
             for name, slot in list(self.slot_of.items()):  # the resident adapters that touch them
                 if any(t.fqn in self.adapters[name].modules for t in targets):
-                    written.write(slot, self._factors(name))
+                    self._write(slot, self._factors(name), sets=[written])
         for name in self.host:  # adapters registered before their modules: in pinned memory now, if on CUDA
             self.adapters[name] = self._pinned(self.adapters[name])
         for name in list(self.adapters):  # and in the slots the memory budget gave, as many as fit
@@ -623,12 +657,22 @@ class AdapterPool:
 
     def _pinned(self, adapter: LoraAdapter) -> LoraAdapter:
         """``adapter`` with its factors in pinned host memory, when the slots are on CUDA: copies
-        to a slot are then asynchronous, and may run beside compute on a side stream."""
+        to a slot are then asynchronous, and may run beside compute on a side stream. A stack's
+        A factors lie end to end in slot order, and so do its B factors: an adapter that fills
+        the stack is copied into a slot in two copies (:meth:`TargetSet.writes`)."""
         if not self._on_cuda() or all(isinstance(f, _Dropped) or f.a.is_pinned() for f in adapter.modules.values()):
             return adapter
-        held = [(fqn, f) for fqn, f in adapter.modules.items() if not isinstance(f, _Dropped)]
-        copies = iter(packed_copies([t for _, f in held for t in (f.a, f.b)], _pinned_bytes))
-        modules = dict(adapter.modules) | {fqn: dataclasses.replace(f, a=next(copies), b=next(copies)) for fqn, f in held}
+        held = {fqn: f for fqn, f in adapter.modules.items() if not isinstance(f, _Dropped)}
+        runs = [[t.fqn for t in members if t.fqn in held] for written in self._sets for _, members in written.stacks.values()]
+        stacked = {fqn for run in runs for fqn in run}
+        keys = [[(fqn, part) for fqn in run] for part in ("a", "b") for run in runs if run]
+        keys += [[(fqn, "a"), (fqn, "b")] for fqn in held if fqn not in stacked]
+        groups = [[getattr(held[fqn], part) for fqn, part in group] for group in keys]
+        factors: dict[str, dict[str, torch.Tensor]] = {fqn: {} for fqn in held}
+        for group, copies in zip(keys, packed_copies(groups, _pinned_bytes)):
+            for (fqn, part), t in zip(group, copies):
+                factors[fqn][part] = t
+        modules = dict(adapter.modules) | {fqn: dataclasses.replace(f, **factors[fqn]) for fqn, f in held.items()}
         return dataclasses.replace(adapter, modules=modules)
 
     def _keep_on_host(self, name: str) -> None:
@@ -798,12 +842,41 @@ class AdapterPool:
     def _on_cuda(self) -> bool:
         return any(written.scaling.is_cuda for written in self._sets)
 
-    def _write(self, slot: int, adapter: LoraAdapter | None, stream: torch.cuda.Stream | None = None) -> None:
+    @torch.no_grad()
+    def _write(
+        self, slot: int, adapter: LoraAdapter | None, stream: torch.cuda.Stream | None = None, sets: list[TargetSet] | None = None
+    ) -> None:
+        """Put ``adapter`` (None: none) into ``slot`` of every target set (or of ``sets``), on
+        ``stream`` if given: the fills and factor copies of all sets as one call each, their
+        scaling and rank from one host tensor each."""
+        sets = self._sets if sets is None else sets
         if stream is not None and slot in self._fences:
             stream.wait_event(self._fences[slot])
+        fills: list[torch.Tensor] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        scaling: list[float] = []
+        rank: list[int] = []
+        for written in sets:
+            set_fills, set_copies = written.writes(slot, adapter)
+            fills += set_fills
+            copies += set_copies
+            set_scaling, set_rank = written.columns(adapter)
+            scaling += set_scaling
+            rank += set_rank
+        columns = [torch.tensor(scaling, dtype=torch.float32), torch.tensor(rank, dtype=torch.int32)]
+        if self._on_cuda():
+            columns = [c.pin_memory() for c in columns]
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for written in self._sets:
-                written.write(slot, adapter)
+            if fills:
+                torch._foreach_zero_(fills)
+            if copies:
+                torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies], non_blocking=True)
+            first = 0
+            for written in sets:
+                n = len(written.targets)
+                for table, values in ((written.scaling, columns[0]), (written.rank, columns[1])):
+                    table[:, slot].copy_(values[first : first + n], non_blocking=True)
+                first += n
             for group in self.groups.values():
                 group.refresh(slot)
         if stream is None:
