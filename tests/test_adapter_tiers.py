@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from peft import LoraConfig
 
 import fxlora
-from fxlora.adapters import pool
+from fxlora.adapters import model_modules, pool, read_adapter
 from fxlora.testing import make_adapter, peft_model_with, reference_generate, reference_logits, tiny_model
 
 TARGETS = [["q_proj", "v_proj"], ["k_proj", "o_proj", "down_proj"], ["q_proj", "up_proj", "gate_proj"], ["v_proj", "down_proj"]]
@@ -170,6 +170,12 @@ def test_slots_from_a_memory_budget(model, many):
         fxlora.compile(model, adapters=chosen, max_loras=None, lora_memory=100, max_rank=8)
     with pytest.raises(ValueError, match="max_loras= or as lora_memory="):
         fxlora.compile(model, adapters=chosen, lora_memory=10**6)
+    # a budget beyond the machine: named, and the pool left as it was
+    budget = fxlora.adapters.AdapterPool(max_loras=None, lora_memory=2**45, max_rank=8)
+    budget.load(read_adapter("ad00", many["ad00"]))
+    with pytest.raises(fxlora.AdapterError, match=r"lora_memory=35184372088832: \d+ slots of 7200 bytes over 4 targets .* could not be allocated"):
+        budget.register_modules(model_modules(model), complete=True)
+    assert not budget.modules and not budget.targets and not budget._sets and budget.max_loras == 0
 
 
 def test_the_host_tier_never_drops_the_adapter_it_is_loading(model, many, tmp_path):

@@ -504,24 +504,18 @@ class AdapterPool:
                 self._check_module(adapter, fqn, new[fqn])
             if complete:
                 self._check_exists(adapter, self.modules.keys() | new.keys())
-        if self.lora_memory is not None and not self.targets:
-            self._size_slots(new)
+        wanted = {fqn: info for fqn, info in new.items() if self.wants(fqn, info)}
+        sized = self.lora_memory is not None and not self.targets
+        slots = self._slots_in_budget(wanted) if sized else self.max_loras
+        by_layer = self._allocate(wanted, _outputs(new), slots)  # before anything changes: it may not fit
+        if sized:
+            self.max_loras = slots
+            self._pins, self._used = [0] * slots, [0] * slots
+            log.info("%d GPU slots in lora_memory=%d bytes", slots, self.lora_memory)
         self.modules.update(new)
         self.complete = self.complete or complete
-        wanted = {fqn: info for fqn, info in new.items() if self.wants(fqn, info)}
-        stacked: dict[tuple, list[tuple[str, ModuleInfo]]] = {}
-        outputs = _outputs(new)
-        for fqn, info in sorted(wanted.items(), key=lambda item: item[0] in outputs):  # stable
-            if (key := stack_key(fqn, info)) is not None:
-                stacked.setdefault(key, []).append((fqn, info))
-        stack_of = {}
-        for members in stacked.values():
-            stack = Stack.of(members, self.max_loras, self.max_rank)
-            stack_of.update(dict.fromkeys(stack.fqns, stack))
-        by_layer: dict[tuple, list[PoolTarget]] = {}
-        for fqn, info in wanted.items():
-            self.targets[fqn] = target = PoolTarget(fqn, info, self.max_loras, self.max_rank, stack_of.get(fqn))
-            by_layer.setdefault((_layer(fqn), info.device), []).append(target)
+        made = {t.fqn: t for targets in by_layer.values() for t in targets}
+        self.targets.update((fqn, made[fqn]) for fqn in wanted)
         for targets in by_layer.values():
             self._sets.append(written := TargetSet(targets, self.max_loras))
             self._set_of.update(dict.fromkeys((t.fqn for t in targets), written))
@@ -535,23 +529,51 @@ class AdapterPool:
             if slot is not None:
                 self._place(name, slot)
 
-    def _size_slots(self, modules: dict[str, ModuleInfo]) -> None:
-        """``max_loras`` from ``lora_memory``: the bytes one slot takes over the modules that
-        become targets."""
+    def _slot_bytes(self, wanted: dict[str, ModuleInfo]) -> int:
+        """The bytes one slot takes over the modules ``wanted`` as targets."""
         per_slot = 0
-        for fqn, info in modules.items():
-            if self.wants(fqn, info):
-                size = torch.empty(0, dtype=info.dtype).element_size()
-                per_slot += max(info.experts, 1) * self.max_rank * (info.in_features + info.out_features) * size + 8
+        for info in wanted.values():
+            size = torch.empty(0, dtype=info.dtype).element_size()
+            per_slot += max(info.experts, 1) * self.max_rank * (info.in_features + info.out_features) * size + 8
+        return per_slot
+
+    def _slots_in_budget(self, wanted: dict[str, ModuleInfo]) -> int:
+        """``max_loras`` from ``lora_memory``: as many slots as it holds over the targets."""
+        per_slot = self._slot_bytes(wanted)
         slots = self.lora_memory // per_slot if per_slot else 0
         if slots < 1:
             raise AdapterError(
                 f"lora_memory={self.lora_memory} bytes hold no slot: one takes {per_slot} bytes over the targets "
                 f"at max_rank={self.max_rank}"
             )
-        self.max_loras = slots
-        self._pins, self._used = [0] * slots, [0] * slots
-        log.info("%d GPU slots of %d bytes each in lora_memory=%d bytes", slots, per_slot, self.lora_memory)
+        return slots
+
+    def _allocate(self, wanted: dict[str, ModuleInfo], outputs: set[str], slots: int) -> dict[tuple, list[PoolTarget]]:
+        """The targets of the modules ``wanted``, with ``slots`` slots each, by layer and device
+        (``outputs``: the blocks' last linears, :func:`_outputs`); an AdapterError naming the
+        setting if their memory cannot be had."""
+        stacked: dict[tuple, list[tuple[str, ModuleInfo]]] = {}
+        for fqn, info in sorted(wanted.items(), key=lambda item: item[0] in outputs):  # stable
+            if (key := stack_key(fqn, info)) is not None:
+                stacked.setdefault(key, []).append((fqn, info))
+        try:
+            stack_of = {}
+            for members in stacked.values():
+                stack = Stack.of(members, slots, self.max_rank)
+                stack_of.update(dict.fromkeys(stack.fqns, stack))
+            by_layer: dict[tuple, list[PoolTarget]] = {}
+            for fqn, info in wanted.items():
+                target = PoolTarget(fqn, info, slots, self.max_rank, stack_of.get(fqn))
+                by_layer.setdefault((_layer(fqn), info.device), []).append(target)
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
+            setting = f"lora_memory={self.lora_memory}" if self.lora_memory is not None else f"max_loras={slots}"
+            devices = sorted({str(info.device) for info in wanted.values()})
+            raise AdapterError(
+                f"{setting}: {slots} slots of {self._slot_bytes(wanted)} bytes over {len(wanted)} targets at "
+                f"max_rank={self.max_rank} ({slots * self._slot_bytes(wanted) / 2**30:.1f} GiB on {', '.join(devices)}) "
+                f"could not be allocated ({type(e).__name__}): lower it or max_rank"
+            ) from e
+        return by_layer
 
     def wants(self, fqn: str, info: ModuleInfo) -> bool:
         """Whether registering module ``fqn`` makes it a target: a loaded adapter touches it,
