@@ -170,12 +170,25 @@ def test_slots_from_a_memory_budget(model, many):
         fxlora.compile(model, adapters=chosen, max_loras=None, lora_memory=100, max_rank=8)
     with pytest.raises(ValueError, match="max_loras= or as lora_memory="):
         fxlora.compile(model, adapters=chosen, lora_memory=10**6)
-    # a budget beyond the machine: named, and the pool left as it was
-    budget = fxlora.adapters.AdapterPool(max_loras=None, lora_memory=2**45, max_rank=8)
-    budget.load(read_adapter("ad00", many["ad00"]))
-    with pytest.raises(fxlora.AdapterError, match=r"lora_memory=35184372088832: \d+ slots of 7200 bytes over 4 targets .* could not be allocated"):
-        budget.register_modules(model_modules(model), complete=True)
-    assert not budget.modules and not budget.targets and not budget._sets and budget.max_loras == 0
+    # slots the device cannot give: named, and the pool left as it was; other errors as they are
+    for kw, failure, expected in (
+        (dict(max_loras=None, lora_memory=2**33), torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB"), fxlora.AdapterError),
+        (dict(max_loras=4000), RuntimeError("DefaultCPUAllocator: can't allocate memory"), fxlora.AdapterError),
+        (dict(max_loras=4), RuntimeError("something else"), RuntimeError),
+    ):
+        p = fxlora.adapters.AdapterPool(max_rank=8, **kw)
+        p.load(read_adapter("ad00", many["ad00"]))
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(pool.Stack, "of", lambda *a, failure=failure: (_ for _ in ()).throw(failure))
+            with pytest.raises(expected) as raised:
+                p.register_modules(model_modules(model), complete=True)
+        if expected is fxlora.AdapterError:
+            setting = "lora_memory=8589934592: 1193046" if "lora_memory" in kw else "max_loras=4000: 4000"
+            assert str(raised.value).startswith(f"{setting} slots of 7200 bytes over 4 targets at max_rank=8")
+            assert f"could not be allocated ({type(failure).__name__}: {failure})" in str(raised.value)
+        else:
+            assert raised.value is failure
+        assert not p.modules and not p.targets and not p._sets and p.max_loras == (kw["max_loras"] or 0)
 
 
 def test_the_host_tier_never_drops_the_adapter_it_is_loading(model, many, tmp_path):
@@ -209,8 +222,8 @@ def test_two_calls_waiting_for_one_adapter_place_it_once(model, many):
 @given(data=st.data())
 def test_factors_packed_into_few_host_buffers_keep_their_values(data):
     """The host tier's copies of an adapter's factors (pinned on CUDA, in a few allocations):
-    each equals its tensor, a group's lie end to end in one buffer, and no buffer holds more
-    than ``PACK_BYTES`` but one group larger than that."""
+    each equals its tensor, a group that fits in a buffer lies end to end in one, and no buffer
+    holds more than ``PACK_BYTES`` but one tensor larger than that."""
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
     sizes = st.lists(st.tuples(st.integers(0, 24), st.integers(1, 40), st.sampled_from(dtypes)), min_size=1, max_size=4)
     shapes = data.draw(st.lists(sizes, min_size=1, max_size=6))
@@ -223,21 +236,22 @@ def test_factors_packed_into_few_host_buffers_keep_their_values(data):
             groups[-1].append((t * 50).to(dtype) if dtype == torch.int8 else t.to(dtype))
     buffers = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pool, "PACK_BYTES", 2048)  # several buffers, and groups larger than one
+        mp.setattr(pool, "PACK_BYTES", 2048)  # several buffers, and groups and tensors larger than one
         copies = pool.packed_copies(groups, lambda n: buffers.append(torch.full((n,), 255, dtype=torch.uint8)) or buffers[-1])
     tensors = [t for group in groups for t in group]
     flat = [c for group in copies for c in group]
     assert [len(c) for c in copies] == [len(g) for g in groups]
     assert all(torch.equal(c, t) and c.dtype == t.dtype for c, t in zip(flat, tensors, strict=True))
-    assert sum(b.numel() for b in buffers) < sum(t.nbytes for t in tensors) + 64 * len(groups) + 8 * len(tensors)
+    assert sum(b.numel() for b in buffers) < sum(t.nbytes for t in tensors) + 64 * len(tensors)
     for group in copies:  # end to end, each at the first address of its dtype's alignment after the one before
         held = [c for c in group if c.numel()]
-        for before, c in zip(held, held[1:]):
-            gap = c.data_ptr() - (before.data_ptr() + before.nbytes)
-            assert 0 <= gap < c.element_size()
+        if sum(c.nbytes + c.element_size() for c in held) <= 2048 - 64:
+            for before, c in zip(held, held[1:]):
+                gap = c.data_ptr() - (before.data_ptr() + before.nbytes)
+                assert 0 <= gap < c.element_size()
     for b in buffers:
-        held = [g for g in copies if g[0].untyped_storage().data_ptr() == b.untyped_storage().data_ptr()]
-        assert held and (b.numel() <= 2048 or len(held) == 1)
+        held = [c for c in flat if c.numel() and c.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()]
+        assert b.numel() <= 2048 or len(held) <= 1
 
 
 def test_an_adapter_laid_out_in_slot_order_pages_in_with_two_copies_a_stack(model, monkeypatch):

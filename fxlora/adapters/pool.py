@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import re
 import threading
+import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -279,42 +280,53 @@ _ALIGN = 64
 
 def packed_copies(groups: Sequence[Sequence[torch.Tensor]], allocate: Callable[[int], torch.Tensor]) -> list[list[torch.Tensor]]:
     """Copies of the tensors of ``groups`` as views of a few byte buffers from
-    ``allocate(nbytes)``, each group's end to end in one buffer, each buffer of at most
-    :data:`PACK_BYTES` (a group larger than that has one of its own).
+    ``allocate(nbytes)``: each group's end to end in one buffer if it fits in one (a larger
+    group's tensors are placed one by one), each buffer of at most :data:`PACK_BYTES` (but for
+    one tensor larger than that).
 
     Pinning host memory is a driver call that page-locks it, and the driver takes such calls
     one at a time, across the processes of a host: an 8B model's 16 adapters pinned factor by
     factor (8,192 calls) took 1.2 s alone and 50 s with a second process pinning on the same
-    host. PyTorch's pinned allocator rounds each allocation up to a power of two: full buffers
-    of :data:`PACK_BYTES` lose nothing to it, the last one less than half of what it takes."""
-    offsets: list[list[int]] = []  # each tensor's byte offset in its group, each aligned to its dtype
-    sizes: list[int] = []  # each group's bytes, rounded up to _ALIGN
-    for group in groups:
-        end, offsets_of = 0, []
-        for t in group:
-            end = -(-end // t.element_size()) * t.element_size()
-            offsets_of.append(end)
-            end += t.nbytes
-        offsets.append(offsets_of)
-        sizes.append(-(-end // _ALIGN) * _ALIGN)
+    host. PyTorch's pinned allocator rounds each allocation up to a power of two, so the
+    buffers are filled first-fit from the largest piece down: all but the last are nearly full,
+    and that one loses less than half of what it takes."""
+    pieces: list[list[tuple[int, int]]] = []  # (group, tensor) runs, each kept end to end
+    for g, group in enumerate(groups):
+        run = [(g, t) for t in range(len(group))]
+        pieces += [run] if _laid_out([group[t] for _, t in run])[1] <= PACK_BYTES else [[one] for one in run]
+    layouts = [_laid_out([groups[g][t] for g, t in run]) for run in pieces]
     buffers: list[list[int]] = []
-    used = 0
-    for i, size in enumerate(sizes):
-        if not buffers or used + size > PACK_BYTES:
+    room: list[int] = []
+    for i in sorted(range(len(pieces)), key=lambda i: -layouts[i][1]):
+        size = layouts[i][1]
+        b = next((b for b, free in enumerate(room) if free >= size), None)
+        if b is None:
             buffers.append([])
-            used = 0
-        buffers[-1].append(i)
-        used += size
-    out: list[list[torch.Tensor]] = [[] for _ in groups]
+            room.append(PACK_BYTES)
+            b = len(buffers) - 1
+        buffers[b].append(i)
+        room[b] -= size
+    out: list[list[torch.Tensor]] = [[None] * len(group) for group in groups]  # type: ignore[list-item]
     for members in buffers:
-        buffer = allocate(sum(sizes[i] for i in members))
+        buffer = allocate(sum(layouts[i][1] for i in members))
         start = 0
         for i in members:
-            for t, offset in zip(groups[i], offsets[i]):
-                at = start + offset
-                out[i].append(buffer[at : at + t.nbytes].view(t.dtype).view(t.shape).copy_(t))
-            start += sizes[i]
+            for (g, t), offset in zip(pieces[i], layouts[i][0]):
+                x = groups[g][t]
+                out[g][t] = buffer[start + offset : start + offset + x.nbytes].view(x.dtype).view(x.shape).copy_(x)
+            start += layouts[i][1]
     return out
+
+
+def _laid_out(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Byte offsets of ``tensors`` placed end to end, each aligned to its dtype, and the bytes
+    they span rounded up to ``_ALIGN``."""
+    end, offsets = 0, []
+    for t in tensors:
+        end = -(-end // t.element_size()) * t.element_size()
+        offsets.append(end)
+        end += t.nbytes
+    return offsets, -(-end // _ALIGN) * _ALIGN
 
 
 def _pinned_bytes(nbytes: int) -> torch.Tensor:
@@ -507,20 +519,20 @@ class AdapterPool:
         wanted = {fqn: info for fqn, info in new.items() if self.wants(fqn, info)}
         sized = self.lora_memory is not None and not self.targets
         slots = self._slots_in_budget(wanted) if sized else self.max_loras
-        by_layer = self._allocate(wanted, _outputs(new), slots)  # before anything changes: it may not fit
+        sets = self._allocate(wanted, _outputs(new), slots)  # before anything changes: it may not fit
         if sized:
             self.max_loras = slots
             self._pins, self._used = [0] * slots, [0] * slots
             log.info("%d GPU slots in lora_memory=%d bytes", slots, self.lora_memory)
         self.modules.update(new)
         self.complete = self.complete or complete
-        made = {t.fqn: t for targets in by_layer.values() for t in targets}
+        made = {t.fqn: t for written in sets for t in written.targets}
         self.targets.update((fqn, made[fqn]) for fqn in wanted)
-        for targets in by_layer.values():
-            self._sets.append(written := TargetSet(targets, self.max_loras))
-            self._set_of.update(dict.fromkeys((t.fqn for t in targets), written))
+        for written in sets:
+            self._sets.append(written)
+            self._set_of.update(dict.fromkeys((t.fqn for t in written.targets), written))
             for name, slot in list(self.slot_of.items()):  # the resident adapters that touch them
-                if any(t.fqn in self.adapters[name].modules for t in targets):
+                if any(t.fqn in self.adapters[name].modules for t in written.targets):
                     self._write(slot, self._factors(name), sets=[written])
         for name in self.host:  # adapters registered before their modules: in pinned memory now, if on CUDA
             self.adapters[name] = self._pinned(self.adapters[name])
@@ -548,15 +560,16 @@ class AdapterPool:
             )
         return slots
 
-    def _allocate(self, wanted: dict[str, ModuleInfo], outputs: set[str], slots: int) -> dict[tuple, list[PoolTarget]]:
-        """The targets of the modules ``wanted``, with ``slots`` slots each, by layer and device
-        (``outputs``: the blocks' last linears, :func:`_outputs`); an AdapterError naming the
-        setting if their memory cannot be had."""
+    def _allocate(self, wanted: dict[str, ModuleInfo], outputs: set[str], slots: int) -> list[TargetSet]:
+        """The targets of the modules ``wanted``, with ``slots`` slots each, in sets by layer and
+        device (``outputs``: the blocks' last linears, :func:`_outputs`); an AdapterError naming
+        the setting if their memory cannot be had (and none of it kept)."""
         stacked: dict[tuple, list[tuple[str, ModuleInfo]]] = {}
         for fqn, info in sorted(wanted.items(), key=lambda item: item[0] in outputs):  # stable
             if (key := stack_key(fqn, info)) is not None:
                 stacked.setdefault(key, []).append((fqn, info))
-        try:
+
+        def allocated() -> list[TargetSet]:
             stack_of = {}
             for members in stacked.values():
                 stack = Stack.of(members, slots, self.max_rank)
@@ -565,15 +578,22 @@ class AdapterPool:
             for fqn, info in wanted.items():
                 target = PoolTarget(fqn, info, slots, self.max_rank, stack_of.get(fqn))
                 by_layer.setdefault((_layer(fqn), info.device), []).append(target)
-        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
-            setting = f"lora_memory={self.lora_memory}" if self.lora_memory is not None else f"max_loras={slots}"
-            devices = sorted({str(info.device) for info in wanted.values()})
-            raise AdapterError(
-                f"{setting}: {slots} slots of {self._slot_bytes(wanted)} bytes over {len(wanted)} targets at "
-                f"max_rank={self.max_rank} ({slots * self._slot_bytes(wanted) / 2**30:.1f} GiB on {', '.join(devices)}) "
-                f"could not be allocated ({type(e).__name__}): lower it or max_rank"
-            ) from e
-        return by_layer
+            return [TargetSet(targets, slots) for targets in by_layer.values()]
+
+        try:
+            return allocated()
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            traceback.clear_frames(e.__traceback__)  # what was allocated goes now, not when the error does
+        per_slot = self._slot_bytes(wanted)
+        setting = f"lora_memory={self.lora_memory}" if self.lora_memory is not None else f"max_loras={slots}"
+        devices = ", ".join(sorted({str(info.device) for info in wanted.values()}))
+        raise AdapterError(
+            f"{setting}: {slots} slots of {per_slot} bytes over {len(wanted)} targets at max_rank={self.max_rank} "
+            f"({slots * per_slot / 2**30:.1f} GiB on {devices}) could not be allocated ({reason}): lower it or max_rank"
+        )
 
     def wants(self, fqn: str, info: ModuleInfo) -> bool:
         """Whether registering module ``fqn`` makes it a target: a loaded adapter touches it,
