@@ -18,7 +18,7 @@ import logging
 import re
 import threading
 import traceback
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -483,14 +483,14 @@ class AdapterPool:
         # first; one beyond max_cpu_loras keeps only how to read it again (its directory)
         self.host: OrderedDict[str, None] = OrderedDict()
         self._reload: dict[str, Callable[[], LoraAdapter]] = {}
-        self._used = [0] * max_loras  # when each slot was last acquired (a clock), for LRU eviction
+        self._used: Counter[int] = Counter()  # per slot, when last acquired (a clock): LRU
         self._clock = 0
         self.hits = self.misses = 0  # acquisitions that found their adapter resident, or paged it in
         # Calls in flight pin the slots they read: an adapter unloaded or evicted under one keeps
         # its slot's contents until the last such call ends, and no load takes that slot before.
         self._lock = threading.RLock()
         self._released = threading.Condition(self._lock)
-        self._pins = [0] * max_loras
+        self._pins: Counter[int] = Counter()  # per slot, the calls in flight reading it
         self._draining: set[int] = set()
         self._fences: dict[int, torch.cuda.Event] = {}  # per slot, the last use on the default stream (CUDA)
 
@@ -522,7 +522,6 @@ class AdapterPool:
         sets = self._allocate(wanted, _outputs(new), slots)  # before anything changes: it may not fit
         if sized:
             self.max_loras = slots
-            self._pins, self._used = [0] * slots, [0] * slots
             log.info("%d GPU slots in lora_memory=%d bytes", slots, self.lora_memory)
         self.modules.update(new)
         self.complete = self.complete or complete
@@ -747,9 +746,9 @@ class AdapterPool:
         """A slot a new adapter may take: an empty one, else (with ``evict``) the least recently
         used one that no call reads (its adapter stays registered, on the host); None if none."""
         taken = set(self.slot_of.values())
-        empty = [s for s in range(self.max_loras) if s not in taken and s not in self._draining and not self._pins[s]]
-        if empty or not evict:
-            return empty[0] if empty else None
+        empty = next((s for s in range(self.max_loras) if s not in taken and s not in self._draining and not self._pins[s]), None)
+        if empty is not None or not evict:
+            return empty
         evictable = [s for s in taken if not self._pins[s]]
         return min(evictable, key=self._used.__getitem__) if evictable else None
 
