@@ -2,6 +2,7 @@
 and the first call, which compiles the prefill graph), split by what the time is spent on.
 
     python benchmarks/setup_time.py [--model llama|llama8b|qwen3_moe] [--quant none|fp8] [--stream] [--out F.json]
+                                    [--cprofile F.prof]
 
 With ``--stream``, the request stream's setup instead: its engine (paged cache, decode graphs)
 in place of ``prepare()``, and ``generate_batch`` calls.
@@ -11,14 +12,21 @@ first run of what it returns), Triton's compiler (the compilations this process 
 fxlora's kernels on their first launch with each specialisation, and any of Inductor's kernels
 not compiled in its worker pool) and Inductor's autotuning of its kernels' launch configs.
 Run it with empty caches (``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` pointing at new
-directories) for the cold setup, again with the same directories for the warm one.
+directories) for the cold setup, again with the same directories for the warm one. With
+``--cprofile``, the setup (compile, engine or ``prepare()``, first call) also runs under
+cProfile (the calling thread), its statistics written to that file (``pstats``) and the
+functions with the most cumulative time printed and kept in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import cProfile
+import io
 import json
+import pstats
 import time
 
 import torch
@@ -108,6 +116,7 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=128)
     parser.add_argument("--stream", action="store_true", help="the request stream's engine and generate_batch calls")
     parser.add_argument("--out", default="setup_time.json")
+    parser.add_argument("--cprofile", help="also profile the setup's host time with cProfile, its statistics to this file")
     args = parser.parse_args()
     torch.manual_seed(0)
     sp = spec(args.model)
@@ -119,27 +128,35 @@ def main() -> None:
     spies = Spies()
     spies.install()
     phases = {}
+    profiler = cProfile.Profile() if args.cprofile else None
+    profiled = profiler if profiler is not None else contextlib.nullcontext()
     start = time.perf_counter()
-    cm = fxlora.compile(model, adapters, max_loras=ADAPTERS, max_rank=16, max_batch_size=args.max_batch_size,
-                        max_len=PROMPT + NEW)  # fmt: skip
+    with profiled:
+        cm = fxlora.compile(model, adapters, max_loras=ADAPTERS, max_rank=16, max_batch_size=args.max_batch_size,
+                            max_len=PROMPT + NEW)  # fmt: skip
     phases["compile"] = time.perf_counter() - start
     start = time.perf_counter()
-    if args.stream:
-        cm._requests({}, None)  # the engine: paged cache, decode graphs traced, compiled, captured
-        runtime = cm._engine[1].runner
-    else:
-        runtime = cm.prepare()
+    with profiled:
+        if args.stream:
+            cm._requests({}, None)  # the engine: paged cache, decode graphs traced, compiled, captured
+            runtime = cm._engine[1].runner
+        else:
+            runtime = cm.prepare()
     phases["prepare"] = time.perf_counter() - start
     phases["of which capture"] = runtime.graphs.capture_seconds
     prompts = torch.randint(3, sp.config.vocab_size, (BATCH, PROMPT), device="cuda")
     names = [f"ad{i % ADAPTERS}" for i in range(BATCH)]
     for call in ("first call", "second call"):
         start = time.perf_counter()
+        if call == "first call" and profiler is not None:
+            profiler.enable()
         if args.stream:
             cm.generate_batch(prompts.tolist(), names, max_new_tokens=NEW, eos_token_id=(), progress_bar=False)
         else:
             cm.generate(prompts, adapter_names=names, max_new_tokens=NEW, eos_token_id=())
         torch.cuda.synchronize()
+        if call == "first call" and profiler is not None:
+            profiler.disable()
         phases[call] = time.perf_counter() - start
     phases["setup"] = phases["compile"] + phases["prepare"] + phases["first call"]
     print("setup: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
@@ -156,6 +173,7 @@ def main() -> None:
     print("by kernel, the longest:")
     for key, s in spies.seconds.most_common(15):
         print(f"  {spies.count[key]:4} {s:6.2f} s  {key[0]} {key[2][:70]}")
+    host = host_profile(profiler, args.cprofile) if profiler is not None else None
     result = {
         "meta": {**environment(), "model": args.model, "quant": args.quant, "max_batch_size": args.max_batch_size,
                  "adapters": ADAPTERS, "stream": args.stream},  # fmt: skip
@@ -164,9 +182,21 @@ def main() -> None:
         "by_kind": {f"{w} ({k})": {"count": n, "seconds": s} for (w, k), (n, s) in by_kind.items()},
         "kernels": [{"what": k[0], "kind": k[1], "name": k[2], "count": spies.count[k], "seconds": s}
                     for k, s in spies.seconds.most_common()],  # fmt: skip
+        "host_profile": host,
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def host_profile(profiler: cProfile.Profile, path: str, count: int = 60) -> str:
+    """Write ``profiler``'s statistics to ``path``; print and return the ``count`` functions
+    with the most cumulative time (the profiler's own overhead included)."""
+    profiler.dump_stats(path)
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(count)
+    text = out.getvalue()
+    print(text)
+    return text
 
 
 if __name__ == "__main__":
