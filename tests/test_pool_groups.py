@@ -104,17 +104,21 @@ class _Launches(TorchDispatchMode):
 
 def test_a_slot_is_written_by_tensor_not_by_target(model_and_pool):
     """Writing an adapter into a slot fills each stack's two tensors and copies each factor in
-    one list op each, copies each set's scaling and rank once, and gathers each group's: no
-    launch per target and value."""
+    one list op each, copies each set's scaling and rank once, and gathers every group's in
+    one gather and one list copy a value: no launch per target, group and value."""
     model, pool = model_and_pool
     group = pool.join(QKV)
+    later = pool.join(tuple(f"model.layers.1.self_attn.{p}_proj" for p in "kv"))  # another layer's
     slot = pool.load(adapter(model, "x", 3, 4, "all-linear"))
     stacks = sum(len(s.stacks) for s in pool._sets)
     with _Launches() as launches:
         pool._write(slot, pool.adapters["x"])
-    sets = len(pool._sets)
-    assert launches.calls == {"_foreach_zero_": 1, "_foreach_copy_": 1, "copy_": 2 * sets, "index_select": 2}
-    assert launches.count == {"_foreach_zero_": 2 * stacks, "_foreach_copy_": 2 * len(pool.targets), "copy_": 2 * sets, "index_select": 2}
+    sets, groups = len(pool._sets), 2
+    assert launches.calls == {"_foreach_zero_": 1, "_foreach_copy_": 1 + 2, "copy_": 2 * sets, "index_select": 2}
+    assert launches.count == {
+        "_foreach_zero_": 2 * stacks, "_foreach_copy_": 2 * len(pool.targets) + 2 * groups, "copy_": 2 * sets, "index_select": 2,
+    }  # fmt: skip
+    assert later.rank.view(3, 2)[slot].tolist() == [4, 4]
     for target in pool.targets.values():  # and it wrote what the adapter holds
         f = pool.adapters["x"].modules[target.fqn]
         assert torch.equal(target.lora_a[slot, : f.rank], f.a) and torch.equal(target.lora_b[slot, :, : f.rank], f.b)

@@ -404,7 +404,7 @@ class PoolGroup:
     """Neighbouring linear targets of one :class:`Stack` that read the same input, served by
     one multi-slice LoRA launch: ``lora_a`` and ``lora_b`` are the stack's slices of them, and
     ``scaling`` and ``rank`` hold one value per (slot, member), slot-major, copied from the
-    members after every write."""
+    members' values at every write (:meth:`AdapterPool._refresh_groups`)."""
 
     def __init__(self, members: list[PoolTarget], owner: TargetSet):
         self.members = members
@@ -423,7 +423,7 @@ class PoolGroup:
 
     @torch.no_grad()
     def refresh(self, slot: int) -> None:
-        """Copy the members' scaling and rank of ``slot`` from their set's tables."""
+        """Copy the members' scaling and rank of ``slot`` from their set's tables (a new group)."""
         n = len(self.members)
         for mine, table in ((self.scaling, self.owner.scaling), (self.rank, self.owner.rank)):
             torch.index_select(table[:, slot], 0, self.index, out=mine[slot * n : (slot + 1) * n])
@@ -493,6 +493,7 @@ class AdapterPool:
         self._pins: Counter[int] = Counter()  # per slot, the calls in flight reading it
         self._draining: set[int] = set()
         self._fences: dict[int, torch.cuda.Event] = {}  # per slot, the last use on the default stream (CUDA)
+        self._group_index: dict[tuple, list] = {}  # see _refresh_groups
 
     # -- modules -------------------------------------------------------------------------
     def register_modules(self, modules: dict[str, ModuleInfo], complete: bool = False) -> None:
@@ -912,16 +913,43 @@ class AdapterPool:
                 torch._foreach_zero_(fills)
             if copies:
                 torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies], non_blocking=True)
+            staged: dict[torch.device, list[torch.Tensor]] = {}  # the columns, one copy to each device
+            starts: dict[int, int] = {}  # where each set's values begin in them
             first = 0
             for written in sets:
+                device = written.scaling.device
+                if device not in staged:
+                    staged[device] = [c.to(device, non_blocking=True) for c in columns]
                 n = len(written.targets)
-                for table, values in ((written.scaling, columns[0]), (written.rank, columns[1])):
-                    table[:, slot].copy_(values[first : first + n], non_blocking=True)
+                for table, values in zip((written.scaling, written.rank), staged[device]):
+                    table[:, slot].copy_(values[first : first + n])
+                starts[id(written)] = first
                 first += n
-            for group in self.groups.values():
-                group.refresh(slot)
+            self._refresh_groups(slot, starts, staged)
         if stream is None:
             self._fence(slot)
+
+    def _refresh_groups(self, slot: int, starts: dict[int, int], staged: dict[torch.device, list[torch.Tensor]]) -> None:
+        """Copy ``slot``'s scaling and rank into the groups of the sets just written (``starts``:
+        where each set's values begin in the ``staged`` columns): per device and value, one
+        gather and one list copy, over an index made once for these sets and groups."""
+        key = (tuple(starts.items()), len(self.groups))
+        if key not in self._group_index:
+            if len(self._group_index) >= 8:  # (registrations write a few sets each: keep it small)
+                self._group_index.clear()
+            by_device: dict[torch.device, list[PoolGroup]] = {}
+            for group in self.groups.values():
+                if id(group.owner) in starts:
+                    by_device.setdefault(group.scaling.device, []).append(group)
+            self._group_index[key] = [
+                (groups, [len(g.fqns) for g in groups],
+                 torch.tensor([starts[id(g.owner)] + g.owner.rows[f] for g in groups for f in g.fqns], device=device))
+                for device, groups in by_device.items()
+            ]  # fmt: skip
+        for groups, sizes, index in self._group_index[key]:
+            for values, part in zip(staged[index.device], ("scaling", "rank")):
+                mine = [getattr(g, part)[slot * n : (slot + 1) * n] for g, n in zip(groups, sizes)]
+                torch._foreach_copy_(mine, list(values.index_select(0, index).split(sizes)))
 
     def slot_ids(self, adapter_names: Sequence[str | None]) -> list[int]:
         """Per-row slot ids of resident adapters; ``None`` rows get :data:`NO_ADAPTER`."""
