@@ -1,7 +1,7 @@
 """Sweep the LoRA kernels' launch parameters on a few shape classes and print the best.
 
     python benchmarks/lora_tune.py [sgmv] [bgmv] [switch] [in_context] [expand_in_context] [segmented_expand_in_context]
-                                   [delta_beside]
+                                   [delta_beside] [experts]
 
 Times each kernel alone inside a CUDA graph (median, microseconds), so the entries of the
 launch table (``fxlora/kernels/launch_table.py``) for this device can be chosen from
@@ -14,6 +14,9 @@ shapes, each layer's factors read from HBM as a model's are; ``delta_beside`` th
 with the expand in place after the GEMM against the delta made wholly on the side stream into
 a buffer of its own (zeroed first, or stored whole by the expand, as ``lora_linear_beside``
 makes it) that the output's consumer adds (one pointwise kernel either way), at those shapes.
+``experts`` the segmented kernels at an MoE block's token–expert pairs (the Qwen3-MoE-shaped
+model's, 16 slots of 64 experts read as 1,024 adapters: a segment per pair or two), the
+table's choice against decode-style parameters.
 """
 
 from __future__ import annotations
@@ -322,6 +325,49 @@ def delta_beside_case(tokens, adapters, widths) -> None:
     print(f"T={tokens} widths={widths}: GEMM + consumer {base:.1f}us; LoRA adds (us): " + ", ".join(cells), flush=True)
 
 
+EXPERTS_CASES = [  # (token-expert pairs, K, output width, rank, slots x experts): gate_up and down, batch 32 and 128
+    (256, 2048, 1536, 16, 1024), (256, 768, 2048, 16, 1024), (1024, 2048, 1536, 16, 1024), (1024, 768, 2048, 16, 1024),
+]
+
+
+EXPERTS_SHRINKS = [
+    sgmv.ShrinkConfig(16, 128, 8, 2), sgmv.ShrinkConfig(16, 128, 4, 2), sgmv.ShrinkConfig(16, 256, 8, 2),
+    sgmv.ShrinkConfig(16, 128, 16, 1, block_r=32, num_stages=2, rows_last=True),
+    sgmv.ShrinkConfig(16, 256, 16, 2, block_r=32, num_stages=1, rows_last=True),
+    sgmv.ShrinkConfig(16, 64, 8, 1), sgmv.ShrinkConfig(32, 128, 8, 2), sgmv.ShrinkConfig(16, 128, 2, 4),
+]  # fmt: skip
+EXPERTS_EXPANDS = [
+    sgmv.ExpandConfig(16, 128, 4), sgmv.ExpandConfig(16, 128, 4, tiles=4), sgmv.ExpandConfig(16, 256, 4),
+    sgmv.ExpandConfig(16, 64, 4), sgmv.ExpandConfig(16, 128, 2), sgmv.ExpandConfig(16, 128, 4, rows_last=True),
+    sgmv.ExpandConfig(16, 128, 4, tiles=2), sgmv.ExpandConfig(16, 256, 4, tiles=4, stages=2),
+]  # fmt: skip
+
+
+def experts() -> None:
+    for c in EXPERTS_CASES:
+        experts_case(*c)
+
+
+def experts_case(tokens, k, width, rank, adapters) -> None:
+    from dataclasses import replace
+
+    x, y, a, b, scaling, ranks, (_, order, start, length, seg_slot), v = case(tokens, k, (width,), rank, adapters)
+    table_shrink = sgmv.shrink_config(tokens, k, rank, device=x.device)
+    table_expand = sgmv.expand_config(tokens, rank, min(adapters, tokens), 1, width, device=x.device)
+
+    def shrink(cfg):
+        return lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, seg_slot, config=cfg)
+
+    def expand(cfg):
+        return lambda: sgmv.lora_expand(y, v, b, scaling, ranks, order, start, length, seg_slot, (width,), config=cfg)
+
+    print(f"experts T={tokens} K={k} N={width} r={rank} adapters={adapters}: the table's shrink "
+          f"{us(shrink(table_shrink)):.1f}us {table_shrink}, expand {us(expand(table_expand)):.1f}us {table_expand}")  # fmt: skip
+    shrinks = [replace(c, split_k=max(1, min(c.split_k, k // c.block_k))) for c in EXPERTS_SHRINKS]
+    best("shrink", [(cfg, shrink(cfg)) for cfg in shrinks])
+    best("expand", [(cfg, expand(cfg)) for cfg in EXPERTS_EXPANDS])
+
+
 def switch_case(tokens, adapters, rank) -> None:
     x, w, a, b, scaling, ranks, (slot, order, start, length, seg_slot), ws, op = _op_parts(tokens, adapters, rank)
     shrink = lambda: sgmv.lora_shrink(x, a, ranks, order, start, length, seg_slot, out=ws)  # noqa: E731
@@ -338,7 +384,7 @@ if __name__ == "__main__":
     tunes = {
         "sgmv": tune_sgmv, "bgmv": tune_bgmv, "switch": switch, "in_context": in_context,
         "expand_in_context": expand_in_context, "segmented_expand_in_context": segmented_expand_in_context,
-        "delta_beside": delta_beside,
+        "delta_beside": delta_beside, "experts": experts,
     }  # fmt: skip
     for part in sys.argv[1:] or ["sgmv", "bgmv", "switch"]:
         tunes[part]()

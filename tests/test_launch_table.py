@@ -216,6 +216,18 @@ def test_wide_outputs_take_four_tiles_at_decode_sizes(device_table):
         assert launch_table.expand_config(tokens, rank, 16, 2, columns) != four, (tokens, rank, columns)
 
 
+def test_many_short_segments_past_512_tokens_take_small_row_blocks(device_table):
+    """An MoE block's token-expert pairs, a (slot, expert) segment per pair or two: past 512
+    tokens the shrink takes 16-row blocks of one warp there, the prefill rows elsewhere."""
+    small = launch_table.ShrinkConfig(16, 64, 8, 1)
+    assert launch_table.shrink_config(1024, 2048, 16, segments=1024) == small
+    assert launch_table.shrink_config(1024, 768, 64, segments=512) == small
+    assert launch_table.shrink_config(1024, 256, 16, segments=1024) == dataclasses.replace(small, split_k=4)  # k // block_k
+    for tokens, ranks, segments in ((1024, 16, 511), (1024, 65, 1024), (256, 16, 256), (4096, 16, 1024)):
+        plain = launch_table.shrink_config(tokens, 2048, ranks)
+        assert launch_table.shrink_config(tokens, 2048, ranks, segments=segments) == plain != small, (tokens, ranks, segments)
+
+
 def test_token_expand(device_table):
     for rank, most in TOKEN_EXPAND_MOST_TOKENS.items():
         served = [t for t in range(1, 300) if launch_table.token_expand_serves(t, rank)]

@@ -75,6 +75,7 @@ class When:
     max_ranks: int | None = None
     min_slices: int = 1
     min_tokens_per_segment: int = 0  # tokens >= this × segments
+    max_tokens_per_segment: int | None = None  # tokens <= this × segments
     max_tokens_x_ranks: int | None = None
     min_columns: int = 0
 
@@ -86,6 +87,7 @@ class When:
             and (self.max_ranks is None or s.ranks <= self.max_ranks)
             and self.min_slices <= s.slices
             and s.tokens >= self.min_tokens_per_segment * s.segments
+            and (self.max_tokens_per_segment is None or s.tokens <= self.max_tokens_per_segment * s.segments)
             and (self.max_tokens_x_ranks is None or s.tokens * s.ranks <= self.max_tokens_x_ranks)
             and self.min_columns <= s.columns
         )
@@ -122,6 +124,11 @@ SM90 = LaunchTable(
         (When(max_tokens=64), ShrinkConfig(16, 128, 16, 1, block_r=32, num_stages=2, rows_last=True)),
         # Mid sizes: enough row blocks that an 8-way split of the reduction gives enough programs.
         (When(max_tokens=512), ShrinkConfig(16, 128, 8, 2)),
+        # Past that, segments of a token or two each (an MoE block's token-expert pairs, a
+        # (slot, expert) a segment): 16-row blocks of one warp, as 64-row blocks are mostly
+        # masked there; 2.3-2.5x faster than the prefill rows at 1,024 pairs over 16 slots of
+        # 64 experts (`lora_tune.py experts`, H200).
+        (When(max_ranks=64, max_tokens_per_segment=2), ShrinkConfig(16, 64, 8, 1)),
         # Prefill: 64-row blocks, each program reading x once for up to 256 rank rows (several
         # slices' worth at large ranks), else once for up to 64.
         (When(min_ranks=65), ShrinkConfig(64, 64, 4, 8, block_r=256)),
@@ -205,12 +212,13 @@ def _first(rows, shape: Shape):
 
 
 def shrink_config(
-    tokens: int, k: int, ranks: int, gemm_slices: int = 1, device: torch.device | None = None
+    tokens: int, k: int, ranks: int, gemm_slices: int = 1, device: torch.device | None = None, segments: int = 1
 ) -> ShrinkConfig:
     """The SGMV shrink's parameters for ``tokens`` rows of ``k`` features and ``ranks`` rank
     rows (every slice's); ``gemm_slices``: how many output slices the base GEMM beside the
-    shrink writes in one launch (a fused ``qkv_proj``: 3; separate q, k and v GEMMs: 1)."""
-    return _shrink_config(device_key(device), tokens, k, ranks, gemm_slices)
+    shrink writes in one launch (a fused ``qkv_proj``: 3; separate q, k and v GEMMs: 1);
+    ``segments``: the segment list's entries the launch may read (``min(entries, tokens)``)."""
+    return _shrink_config(device_key(device), tokens, k, ranks, gemm_slices, segments)
 
 
 def expand_config(
@@ -235,8 +243,8 @@ def token_expand_config(tokens: int, device: torch.device | None = None) -> Toke
 
 
 @lru_cache(maxsize=LOOKUPS)
-def _shrink_config(key: str, tokens: int, k: int, ranks: int, gemm_slices: int) -> ShrinkConfig:
-    config = _first(TABLES[key].shrink, Shape(tokens, k, ranks, gemm_slices))
+def _shrink_config(key: str, tokens: int, k: int, ranks: int, gemm_slices: int, segments: int) -> ShrinkConfig:
+    config = _first(TABLES[key].shrink, Shape(tokens, k, ranks, gemm_slices, segments))
     return replace(config, split_k=max(1, min(config.split_k, k // config.block_k)))
 
 

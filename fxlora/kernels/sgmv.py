@@ -384,7 +384,7 @@ def lora_shrink(
     tokens, k = x.shape
     _, ranks, _ = lora_a.shape
     segs = min(seg_len.numel(), tokens)  # every non-empty segment lies in the first min(T, entries)
-    cfg = config or shrink_config(tokens, k, ranks, device=x.device)
+    cfg = config or shrink_config(tokens, k, ranks, device=x.device, segments=segs)
     if out is None:
         v = torch.zeros(tokens, ranks, dtype=torch.float32, device=x.device)
     else:

@@ -109,7 +109,8 @@ def shrink_into(
 ) -> torch.Tensor:
     """The SGMV shrink of rows ``x2`` into ``workspace``; ``gemm_slices`` as
     :func:`fxlora.kernels.launch_table.shrink_config` takes it."""
-    config = sgmv.shrink_config(x2.shape[0], x2.shape[1], weights.lora_a.shape[1], gemm_slices, x2.device)
+    tokens, segments = x2.shape[0], min(info.segments[2].numel(), x2.shape[0])  # the entries the launch may read
+    config = sgmv.shrink_config(tokens, x2.shape[1], weights.lora_a.shape[1], gemm_slices, x2.device, segments)
     return sgmv.lora_shrink(x2, weights.lora_a, weights.rank, *info.segments, slices, config, out=workspace)
 
 
