@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import re
 import threading
@@ -404,7 +405,7 @@ class PoolGroup:
     """Neighbouring linear targets of one :class:`Stack` that read the same input, served by
     one multi-slice LoRA launch: ``lora_a`` and ``lora_b`` are the stack's slices of them, and
     ``scaling`` and ``rank`` hold one value per (slot, member), slot-major, copied from the
-    members' values at every write (:meth:`AdapterPool._refresh_groups`)."""
+    members' values at every write (:meth:`AdapterPool._group_plan`)."""
 
     def __init__(self, members: list[PoolTarget], owner: TargetSet):
         self.members = members
@@ -493,7 +494,7 @@ class AdapterPool:
         self._pins: Counter[int] = Counter()  # per slot, the calls in flight reading it
         self._draining: set[int] = set()
         self._fences: dict[int, torch.cuda.Event] = {}  # per slot, the last use on the default stream (CUDA)
-        self._group_index: dict[tuple, list] = {}  # see _refresh_groups
+        self._group_plans: dict[tuple, tuple] = {}  # see _group_plan
 
     # -- modules -------------------------------------------------------------------------
     def register_modules(self, modules: dict[str, ModuleInfo], complete: bool = False) -> None:
@@ -905,7 +906,14 @@ class AdapterPool:
             set_scaling, set_rank = written.columns(adapter)
             scaling += set_scaling
             rank += set_rank
+        starts, first = {}, 0  # where each set's values begin in the columns
+        for written in sets:
+            starts[id(written)] = first
+            first += len(written.targets)
+        groups, index = self._group_plan(starts)
+        # the tables' values, then the groups' (gathered on the host), in one host tensor each
         columns = [torch.tensor(scaling, dtype=torch.float32), torch.tensor(rank, dtype=torch.int32)]
+        columns = [torch.cat([c, c[index]]) for c in columns]
         if self._on_cuda():
             columns = [c.pin_memory() for c in columns]
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -914,42 +922,36 @@ class AdapterPool:
             if copies:
                 torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies], non_blocking=True)
             staged: dict[torch.device, list[torch.Tensor]] = {}  # the columns, one copy to each device
-            starts: dict[int, int] = {}  # where each set's values begin in them
-            first = 0
             for written in sets:
                 device = written.scaling.device
                 if device not in staged:
                     staged[device] = [c.to(device, non_blocking=True) for c in columns]
-                n = len(written.targets)
+                at, n = starts[id(written)], len(written.targets)
                 for table, values in zip((written.scaling, written.rank), staged[device]):
-                    table[:, slot].copy_(values[first : first + n])
-                starts[id(written)] = first
-                first += n
-            self._refresh_groups(slot, starts, staged)
+                    table[:, slot].copy_(values[at : at + n])
+            for device, values in staged.items():  # the groups' slices of the slot: one list copy a value
+                if mine := [(g, first + at, n) for g, at, n in groups if g.scaling.device == device]:
+                    for part, column in zip(("scaling", "rank"), values):
+                        torch._foreach_copy_([getattr(g, part)[slot * n : (slot + 1) * n] for g, _, n in mine],
+                                             [column[at : at + n] for _, at, n in mine])  # fmt: skip
         if stream is None:
             self._fence(slot)
 
-    def _refresh_groups(self, slot: int, starts: dict[int, int], staged: dict[torch.device, list[torch.Tensor]]) -> None:
-        """Copy ``slot``'s scaling and rank into the groups of the sets just written (``starts``:
-        where each set's values begin in the ``staged`` columns): per device and value, one
-        gather and one list copy, over an index made once for these sets and groups."""
+    def _group_plan(self, starts: dict[int, int]) -> tuple[list[tuple[PoolGroup, int, int]], torch.Tensor]:
+        """The groups of the sets being written (``starts``: where each set's values begin in
+        the written columns), each with where its values begin after the columns and its size,
+        and a host index of its members' values in the columns: made once for these sets and
+        groups."""
         key = (tuple(starts.items()), len(self.groups))
-        if key not in self._group_index:
-            if len(self._group_index) >= 8:  # (registrations write a few sets each: keep it small)
-                self._group_index.clear()
-            by_device: dict[torch.device, list[PoolGroup]] = {}
-            for group in self.groups.values():
-                if id(group.owner) in starts:
-                    by_device.setdefault(group.scaling.device, []).append(group)
-            self._group_index[key] = [
-                (groups, [len(g.fqns) for g in groups],
-                 torch.tensor([starts[id(g.owner)] + g.owner.rows[f] for g in groups for f in g.fqns], device=device))
-                for device, groups in by_device.items()
-            ]  # fmt: skip
-        for groups, sizes, index in self._group_index[key]:
-            for values, part in zip(staged[index.device], ("scaling", "rank")):
-                mine = [getattr(g, part)[slot * n : (slot + 1) * n] for g, n in zip(groups, sizes)]
-                torch._foreach_copy_(mine, list(values.index_select(0, index).split(sizes)))
+        if key not in self._group_plans:
+            if len(self._group_plans) >= 8:  # (registrations write a few sets each: keep it small)
+                self._group_plans.clear()
+            groups = [g for g in self.groups.values() if id(g.owner) in starts]
+            sizes = [len(g.fqns) for g in groups]
+            index = [starts[id(g.owner)] + g.owner.rows[f] for g in groups for f in g.fqns]
+            plan = list(zip(groups, itertools.accumulate([0, *sizes]), sizes))
+            self._group_plans[key] = (plan, torch.tensor(index, dtype=torch.long))
+        return self._group_plans[key]
 
     def slot_ids(self, adapter_names: Sequence[str | None]) -> list[int]:
         """Per-row slot ids of resident adapters; ``None`` rows get :data:`NO_ADAPTER`."""
