@@ -413,21 +413,11 @@ class PoolGroup:
         self.fqn = "+".join(self.fqns)  # names the group's buffers in a graph
         self.widths = tuple(m.info.out_features for m in members)
         first = members[0]
-        slots = first.lora_a.shape[0]
         self.lora_a, self.lora_b = first.stack.slices(first.fqn, len(members))
-        self.scaling = torch.zeros(slots * len(members), dtype=torch.float32, device=first.info.device)
-        self.rank = torch.zeros(slots * len(members), dtype=torch.int32, device=first.info.device)
         self.owner = owner
-        self.index = torch.tensor([owner.rows[f] for f in self.fqns], device=first.info.device)
-        for slot in range(slots):
-            self.refresh(slot)
-
-    @torch.no_grad()
-    def refresh(self, slot: int) -> None:
-        """Copy the members' scaling and rank of ``slot`` from their set's tables (a new group)."""
-        n = len(self.members)
-        for mine, table in ((self.scaling, self.owner.scaling), (self.rank, self.owner.rank)):
-            torch.index_select(table[:, slot], 0, self.index, out=mine[slot * n : (slot + 1) * n])
+        rows = torch.tensor([owner.rows[f] for f in self.fqns], device=first.info.device)
+        with torch.no_grad():  # every slot's values as the set's tables hold them, slot-major
+            self.scaling, self.rank = (table.index_select(0, rows).t().contiguous().view(-1) for table in (owner.scaling, owner.rank))
 
 
 class AdapterPool:
@@ -891,7 +881,7 @@ class AdapterPool:
     ) -> None:
         """Put ``adapter`` (None: none) into ``slot`` of every target set (or of ``sets``), on
         ``stream`` if given: the fills and factor copies of all sets as one call each, their
-        scaling and rank from one host tensor each."""
+        scaling and rank, and their groups', from one host tensor each."""
         sets = self._sets if sets is None else sets
         if stream is not None and slot in self._fences:
             stream.wait_event(self._fences[slot])
