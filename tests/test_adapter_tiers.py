@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from peft import LoraConfig
 
 import fxlora
-from fxlora.adapters import model_modules, pool, read_adapter
+from fxlora.adapters import host_buffers, model_modules, pool, read_adapter
+from fxlora.adapters.slots import Stack
 from fxlora.testing import make_adapter, peft_model_with, reference_generate, reference_logits, tiny_model
 
 TARGETS = [["q_proj", "v_proj"], ["k_proj", "o_proj", "down_proj"], ["q_proj", "up_proj", "gate_proj"], ["v_proj", "down_proj"]]
@@ -179,7 +180,7 @@ def test_slots_from_a_memory_budget(model, many):
         p = fxlora.adapters.AdapterPool(max_rank=8, **kw)
         p.load(read_adapter("ad00", many["ad00"]))
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(pool.Stack, "of", lambda *a, failure=failure: (_ for _ in ()).throw(failure))
+            m.setattr(Stack, "of", lambda *a, failure=failure: (_ for _ in ()).throw(failure))
             with pytest.raises(expected) as raised:
                 p.register_modules(model_modules(model), complete=True)
         if expected is fxlora.AdapterError:
@@ -242,8 +243,8 @@ def test_factors_packed_into_few_host_buffers_keep_their_values(data):
             groups[-1].append((t * 50).to(dtype) if dtype == torch.int8 else t.to(dtype))
     buffers = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pool, "PACK_BYTES", 2048)  # several buffers, and groups and tensors larger than one
-        copies = pool.packed_copies(groups, lambda n: buffers.append(torch.full((n,), 255, dtype=torch.uint8)) or buffers[-1])
+        mp.setattr(host_buffers, "PACK_BYTES", 2048)  # several buffers, and groups and tensors larger than one
+        copies = host_buffers.packed_copies(groups, lambda n: buffers.append(torch.full((n,), 255, dtype=torch.uint8)) or buffers[-1])
     tensors = [t for group in groups for t in group]
     flat = [c for group in copies for c in group]
     assert [len(c) for c in copies] == [len(g) for g in groups]
@@ -282,7 +283,7 @@ def test_an_adapter_laid_out_in_slot_order_pages_in_with_two_copies_a_stack(mode
 
     expected = {name: page_in(name) for name in ("full", "part")}
     with monkeypatch.context() as m:  # as it lays adapters out on CUDA, into host memory here
-        m.setattr(pool, "_pinned_bytes", lambda n: torch.empty(n, dtype=torch.uint8))
+        m.setattr(host_buffers, "pinned_bytes", lambda n: torch.empty(n, dtype=torch.uint8))
         m.setattr(pool.AdapterPool, "_on_cuda", lambda self: True)
         for name in adapters:
             p.adapters[name] = p._pinned(p.adapters[name])

@@ -1,7 +1,9 @@
 """Adapters: read PEFT LoRA adapters and pack them into the fixed-slot pool the kernels read."""
 
+from fxlora.adapters.modules import ModuleInfo, model_modules
 from fxlora.adapters.peft_format import LoraAdapter, LoraFactors, read_adapter
-from fxlora.adapters.pool import NO_ADAPTER, AdapterPool, ModuleInfo, PoolGroup, PoolTarget, model_modules
+from fxlora.adapters.pool import NO_ADAPTER, AdapterPool
+from fxlora.adapters.slots import PoolGroup, PoolTarget
 
 __all__ = [
     "NO_ADAPTER",

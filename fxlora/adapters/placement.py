@@ -28,6 +28,7 @@ from collections import defaultdict
 import torch
 
 from fxlora.adapters import experts
+from fxlora.adapters.modules import ModuleInfo
 from fxlora.adapters.peft_format import (
     LoraAdapter,
     LoraFactors,
@@ -37,7 +38,6 @@ from fxlora.adapters.peft_format import (
     targets_parameter,
     unwrapped,
 )
-from fxlora.adapters.pool import ModuleInfo
 from fxlora.errors import AdapterError
 
 

@@ -7,7 +7,12 @@ joint tensors, :class:`Stack`, so that neighbours can be served as one group). A
 adapter does not touch the module has rank 0 and scaling 0; ranks below ``max_rank`` are
 zero-padded. Slot id ``-1`` means "no adapter". Loading copies
 into a free slot in place, so the tensors keep their addresses: compiled graphs read them
-directly and never need a retrace or recapture.
+directly and never need a retrace or recapture. The slots are a cache over a host tier of
+every registered adapter (pinned when the slots are on CUDA), paged in on demand.
+
+The tensors are laid out in :mod:`fxlora.adapters.slots`, the host tier's buffers in
+:mod:`fxlora.adapters.host_buffers`; what the pool knows of a module is a
+:class:`~fxlora.adapters.modules.ModuleInfo`.
 """
 
 from __future__ import annotations
@@ -16,19 +21,19 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import re
 import threading
 import traceback
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from fxlora.adapters import sharding
-from fxlora.adapters.peft_format import LoraAdapter, LoraFactors, all_linear, all_linear_selects, selects_module
-from fxlora.adapters.sharding import Sharding
+from fxlora.adapters import host_buffers, sharding
+from fxlora.adapters.modules import ModuleInfo
+from fxlora.adapters.peft_format import LoraAdapter, all_linear, all_linear_selects, selects_module
+from fxlora.adapters.slots import PoolGroup, PoolTarget, Stack, TargetSet, block_outputs, layer_of, stack_key
 from fxlora.errors import AdapterError, NoFreeSlot, NotServed, ShardingError
 
 if TYPE_CHECKING:
@@ -45,379 +50,6 @@ class _Dropped:
 
     kind: str
     rank: int
-
-
-@dataclass(frozen=True, eq=False)
-class ModuleInfo:
-    """What the pool needs to know of a module that may carry LoRA. Under tensor parallelism
-    the features are those this rank computes, and ``shard`` says which slice of the whole
-    module they are (:mod:`fxlora.adapters.sharding`); ``unshardable`` says why a sharded
-    module cannot carry LoRA, should it be targeted."""
-
-    kind: Literal["linear", "embedding", "experts"]
-    in_features: int  # for an embedding: num_embeddings
-    out_features: int  # for an embedding: embedding_dim
-    dtype: torch.dtype
-    device: torch.device
-    weight: torch.Tensor | None = field(default=None, repr=False)
-    experts: int = 0  # for "experts": a 3-D parameter of this many experts (on this rank) ...
-    owner: torch.nn.Module | None = field(default=None, repr=False)  # ... held by this experts module
-    parameter: str | None = None  # a linear over this 2-D parameter of the module (:meth:`over_parameter`)
-    shard: Sharding | None = None
-    unshardable: str | None = None
-
-    @property
-    def all_experts(self) -> int:
-        """How many experts the whole module has; an expert-parallel rank holds ``experts``."""
-        return self.shard.size if self.shard is not None and self.shard.dim == "experts" else self.experts
-
-    @property
-    def whole(self) -> tuple[int, int]:
-        """``(in, out)`` features of the whole module, which adapters are written for."""
-        s = self.shard
-        return (
-            s.size if s is not None and s.dim == "in" else self.in_features,
-            s.size if s is not None and s.dim == "out" else self.out_features,
-        )
-
-    @staticmethod
-    def of(module: torch.nn.Module) -> ModuleInfo | None:
-        from transformers.pytorch_utils import Conv1D
-
-        if isinstance(module, Conv1D):  # a linear whose weight is stored (in, out)
-            return ModuleInfo._linear(module.weight, out_dim=1, keep_weight=False)
-        if isinstance(module, torch.nn.Linear):  # its features, whatever shape a quantised weight packs into
-            dtype = module.weight.dtype
-            if not dtype.is_floating_point:  # a packed weight (bitsandbytes): LoRA in the dtype the layer computes in
-                dtype = getattr(module, "compute_dtype", None) or torch.get_default_dtype()
-            return ModuleInfo._linear(module.weight, out_dim=0, features=(module.out_features, module.in_features), dtype=dtype)
-        if isinstance(module, torch.nn.Embedding):  # whole factors, however the weight is split (DTensor: its whole shape)
-            w = module.weight
-            n, d = w.shape
-            return ModuleInfo("embedding", n, d, w.dtype, w.device, w)
-        return None
-
-    @staticmethod
-    def _linear(
-        w: torch.Tensor,
-        out_dim: int,
-        keep_weight: bool = True,
-        parameter: str | None = None,
-        features: tuple[int, int] | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> ModuleInfo:
-        """A linear over ``w`` (output features along ``out_dim``), of ``features`` ``(out, in)``
-        when given and ``w`` is not sharded, else of ``w``'s (local) shape."""
-        if features is None or sharding.is_distributed(w):
-            shape = sharding.local_tensor(w).shape
-            features = (shape[out_dim], shape[1 - out_dim])
-        shard, why = _sharding(w, out_dim, 1 - out_dim)
-        weight = w if keep_weight else None
-        fout, fin = features
-        dtype = dtype or w.dtype
-        return ModuleInfo("linear", fin, fout, dtype, w.device, weight, parameter=parameter, shard=shard, unshardable=why)
-
-    @staticmethod
-    def over_parameter(module: torch.nn.Module) -> ModuleInfo | None:
-        """For a module of no kind :meth:`of` knows that holds one 2-D floating-point
-        parameter ``W (out, in)`` of its own (an MoE router's ``weight``): the linear its
-        forward may compute over it. PEFT's ``target_parameters`` LoRA of ``W`` adds
-        ``scaling · B @ A`` to it, which is the linear LoRA of ``F.linear(x, W)``; the passes
-        serve it only on an ``F.linear`` call of the module that reads ``W``."""
-        found = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() == 2 and p.is_floating_point()]
-        if len(found) != 1:
-            return None
-        name, w = found[0]
-        return ModuleInfo._linear(w, out_dim=0, parameter=name)
-
-
-def model_modules(model: torch.nn.Module) -> dict[str, ModuleInfo]:
-    """Every linear (``nn.Linear``, transformers' ``Conv1D``) and embedding module of
-    ``model``, the up and down parameters of every experts module, every other module's one
-    2-D parameter (:meth:`ModuleInfo.over_parameter`) and its 3-D parameters, as PEFT's
-    ``target_parameters`` reads them (``(experts, out, in)`` unless the module says
-    ``is_transposed``)."""
-    from fxlora.adapters import experts
-
-    found = {}
-    for name, m in model.named_modules():
-        if (info := ModuleInfo.of(m)) is not None:
-            found[name] = info
-        elif experts.is_experts(m):
-            for p, w in experts.experts_parameters(m).items():
-                local = sharding.local_tensor(w)
-                fin, fout = experts.in_out(m, local)
-                shard, why = _sharding(w, *((2, 1) if m.is_transposed else (1, 2)), experts_dim=0)
-                info = ModuleInfo("experts", fin, fout, w.dtype, w.device, w, local.shape[0], m, shard=shard, unshardable=why)
-                found[f"{name}.{p}"] = info
-        elif (info := ModuleInfo.over_parameter(m)) is not None:
-            found[name] = info
-        if not experts.is_experts(m):  # any other module's 3-D parameters: the passes read what the graph does with them
-            for p, w in m.named_parameters(recurse=False):
-                if w.dim() == 3 and w.is_floating_point():
-                    fin, fout = experts.in_out(m, w)
-                    why = "LoRA of a 3-D parameter outside an experts module is not served under tensor parallelism"
-                    found[f"{name}.{p}"] = ModuleInfo(
-                        "experts", fin, fout, w.dtype, w.device, w, w.shape[0], m, unshardable=why if sharding.is_distributed(w) else None
-                    )
-    for fqn, info in found.items():
-        if info.unshardable is not None and (entry := sharding.plan_entry(model, fqn)) is not None:
-            found[fqn] = dataclasses.replace(info, unshardable=f"{info.unshardable} (its tp_plan entry {entry})")
-    return found
-
-
-def _sharding(weight: torch.Tensor, out_dim: int, in_dim: int, experts_dim: int | None = None) -> tuple[Sharding | None, str | None]:
-    """``(shard, None)``, or ``(None, why)`` for a layout whose LoRA fxlora cannot split."""
-    try:
-        return sharding.sharding_of(weight, out_dim, in_dim, experts_dim), None
-    except ShardingError as e:
-        return None, str(e)
-
-
-class PoolTarget:
-    """The stacked LoRA factors of one module."""
-
-    def __init__(self, fqn: str, info: ModuleInfo, slots: int, max_rank: int, stack: Stack | None = None):
-        """``stack``: the joint tensors whose slices hold this linear target's factors; else
-        they are its own. ``scaling`` and ``rank`` are rows of its :class:`TargetSet`'s tables."""
-        self.fqn, self.info, self.stack = fqn, info, stack
-        if stack is not None:
-            self.lora_a, self.lora_b = stack.slices(fqn, 1)
-        else:
-            kw = dict(dtype=info.dtype, device=info.device)
-            per_expert = (info.experts,) if info.kind == "experts" else ()  # (slots, [experts,] ...)
-            self.lora_a = torch.zeros(slots, *per_expert, max_rank, info.in_features, **kw)
-            self.lora_b = torch.zeros(slots, *per_expert, info.out_features, max_rank, **kw)
-        self.scaling: torch.Tensor  # (slots,) float32 and int32: rows its TargetSet gives it
-        self.rank: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.lora_a, self.lora_b, self.scaling, self.rank))
-
-    @property
-    def module(self) -> str:
-        """The module whose call runs this target: the target itself, or for an experts
-        parameter its experts module."""
-        return self.fqn.rpartition(".")[0] if self.info.kind == "experts" else self.fqn
-
-    def factors(self, factors: LoraFactors) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of an adapter's ``factors`` for this target."""
-        return (factors.a, factors.b) if self.info.shard is None else self.info.shard.factors(factors.a, factors.b)
-
-    def copies(self, slot: int, factors: LoraFactors) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The (slot view, factor) pairs that put ``factors`` into ``slot``; ranks below
-        ``max_rank`` fill the first rows of A and columns of B (an expert dimension of 1
-        broadcasts)."""
-        a, b = self.factors(factors)
-        return [(self.lora_a[slot, ..., : factors.rank, :], a), (self.lora_b[slot, ..., : factors.rank], b)]
-
-
-@dataclass(eq=False)
-class Stack:
-    """The linear targets of one layer that read inputs of one width, their factors side by
-    side in joint tensors from registration on, in registration order but for each block's
-    last linear, which goes after the others (:func:`_outputs`): ``lora_a[slots, n ·
-    max_rank, in]`` stacks each member's rank rows, ``lora_b[slots, sum(out), max_rank]`` each
-    member's output rows (member ``i``'s first at ``rows[i]``). Any run of neighbours is then
-    served as one group (:class:`PoolGroup`) as views of these tensors, so a graph that reads a
-    member alone and one that reads the group read the same memory, whichever came first."""
-
-    fqns: tuple[str, ...]
-    rows: tuple[int, ...]
-    lora_a: torch.Tensor
-    lora_b: torch.Tensor
-
-    @staticmethod
-    def of(members: list[tuple[str, ModuleInfo]], slots: int, max_rank: int) -> Stack:
-        info = members[0][1]
-        widths = [m.out_features for _, m in members]
-        rows = tuple(sum(widths[:i]) for i in range(len(widths)))
-        kw = dict(dtype=info.dtype, device=info.device)
-        lora_a = torch.zeros(slots, len(members) * max_rank, info.in_features, **kw)
-        lora_b = torch.zeros(slots, sum(widths), max_rank, **kw)
-        return Stack(tuple(fqn for fqn, _ in members), rows, lora_a, lora_b)
-
-    @property
-    def max_rank(self) -> int:
-        return self.lora_b.shape[-1]
-
-    def slices(self, first: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of ``lora_a`` and ``lora_b`` over ``count`` members from ``first`` on."""
-        i = self.fqns.index(first)
-        max_rank = self.max_rank
-        end = self.rows[i + count] if i + count < len(self.rows) else self.lora_b.shape[1]
-        return self.lora_a[:, i * max_rank : (i + count) * max_rank], self.lora_b[:, self.rows[i] : end]
-
-
-def stack_key(fqn: str, info: ModuleInfo) -> tuple | None:
-    """Which stack a target's factors join: linear targets of one layer (the name up to its
-    last layer number) and one input width, dtype and device; None for others."""
-    if info.kind != "linear":
-        return None
-    return (_layer(fqn), info.in_features, info.dtype, info.device)
-
-
-def _layer(fqn: str) -> str:
-    """The layer a module belongs to: its name up to its last layer number ("" for none)."""
-    layer = re.match(r"(.*\.\d+)\.", fqn)
-    return layer[1] if layer else ""
-
-
-def _outputs(modules: dict[str, ModuleInfo]) -> set[str]:
-    """The last linear of each module that holds several (an attention's output projection, an
-    MLP's down projection): it reads what its block computed, not the input its siblings
-    share, so a :class:`Stack` puts it after them."""
-    last: dict[str, list[str]] = {}
-    for fqn, info in modules.items():
-        if info.kind == "linear":
-            last.setdefault(fqn.rpartition(".")[0], []).append(fqn)
-    return {fqns[-1] for fqns in last.values() if len(fqns) > 1}
-
-
-PACK_BYTES = 8 << 20  # the host memory one pinned allocation of an adapter's factors holds at most
-_ALIGN = 64
-
-
-def packed_copies(groups: Sequence[Sequence[torch.Tensor]], allocate: Callable[[int], torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Copies of the tensors of ``groups`` as views of a few byte buffers from
-    ``allocate(nbytes)``: each group's end to end in one buffer if it fits in one (a larger
-    group's tensors are placed one by one), each buffer of at most :data:`PACK_BYTES` (but for
-    one tensor larger than that).
-
-    Pinning host memory is a driver call that page-locks it, and the driver takes such calls
-    one at a time, across the processes of a host: an 8B model's 16 adapters pinned factor by
-    factor (8,192 calls) took 1.2 s alone and 50 s with a second process pinning on the same
-    host. PyTorch's pinned allocator rounds each allocation up to a power of two, so the
-    buffers are filled first-fit from the largest piece down: all but the last are nearly full,
-    and that one loses less than half of what it takes."""
-    pieces: list[list[tuple[int, int]]] = []  # (group, tensor) runs, each kept end to end
-    for g, group in enumerate(groups):
-        run = [(g, t) for t in range(len(group))]
-        pieces += [run] if _laid_out([group[t] for _, t in run])[1] <= PACK_BYTES else [[one] for one in run]
-    layouts = [_laid_out([groups[g][t] for g, t in run]) for run in pieces]
-    buffers: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(pieces)), key=lambda i: -layouts[i][1]):
-        size = layouts[i][1]
-        b = next((b for b, free in enumerate(room) if free >= size), None)
-        if b is None:
-            buffers.append([])
-            room.append(PACK_BYTES)
-            b = len(buffers) - 1
-        buffers[b].append(i)
-        room[b] -= size
-    out: list[list[torch.Tensor]] = [[None] * len(group) for group in groups]  # type: ignore[list-item]
-    for members in buffers:
-        buffer = allocate(sum(layouts[i][1] for i in members))
-        start = 0
-        for i in members:
-            for (g, t), offset in zip(pieces[i], layouts[i][0]):
-                x = groups[g][t]
-                out[g][t] = buffer[start + offset : start + offset + x.nbytes].view(x.dtype).view(x.shape).copy_(x)
-            start += layouts[i][1]
-    return out
-
-
-def _laid_out(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """Byte offsets of ``tensors`` placed end to end, each aligned to its dtype, and the bytes
-    they span rounded up to ``_ALIGN``."""
-    end, offsets = 0, []
-    for t in tensors:
-        end = -(-end // t.element_size()) * t.element_size()
-        offsets.append(end)
-        end += t.nbytes
-    return offsets, -(-end // _ALIGN) * _ALIGN
-
-
-def _pinned_bytes(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
-class TargetSet:
-    """The targets of one layer (as one registration made them, on one device), written
-    together: their stacks, the other targets, and every target's ``scaling`` and ``rank`` as a
-    row of one table each, so that a slot's values for all of them are one copy into a column.
-    Writing an adapter into a slot takes a fill and a copy per factor tensor, not a launch per
-    target and value; the layers' like targets are like views, so identical layers compile once."""
-
-    def __init__(self, targets: list[PoolTarget], slots: int):
-        device = targets[0].info.device
-        self.targets, self.rows = targets, {t.fqn: i for i, t in enumerate(targets)}
-        self.stacks: dict[int, tuple[Stack, list[PoolTarget]]] = {}
-        for t in targets:
-            if t.stack is not None:
-                self.stacks.setdefault(id(t.stack), (t.stack, []))[1].append(t)
-        for stack, members in self.stacks.values():  # in the stack's layout order
-            members.sort(key=lambda t: stack.fqns.index(t.fqn))
-        self.scaling = torch.zeros(len(targets), slots, dtype=torch.float32, device=device)
-        self.rank = torch.zeros(len(targets), slots, dtype=torch.int32, device=device)
-        for i, t in enumerate(targets):
-            t.scaling, t.rank = self.scaling[i], self.rank[i]
-
-    def writes(self, slot: int, adapter: LoraAdapter | None) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """What writing ``adapter`` (None: none) into ``slot`` takes: the slot tensors to zero
-        first (a stack's only where its members' factors leave rows of it unwritten) and the
-        (slot view, factor) copies, in slot order; the scaling and rank are :meth:`columns`."""
-        factors = adapter.modules if adapter is not None else {}
-        fills: list[torch.Tensor] = []
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for stack, members in self.stacks.values():
-            found = [(t, factors.get(t.fqn)) for t in members]
-            if all(f is not None and f.rank == stack.max_rank for _, f in found):  # the factors fill the slot
-                parts = [t.factors(f) for t, f in found]
-                a, b = _joined([a for a, _ in parts]), _joined([b for _, b in parts])
-                if a is not None and b is not None:  # and lie end to end: a copy each
-                    copies += [(stack.lora_a[slot].view(-1), a), (stack.lora_b[slot].view(-1), b)]
-                    continue
-            else:
-                fills += [stack.lora_a[slot], stack.lora_b[slot]]
-            copies += [pair for t, f in found if f is not None for pair in t.copies(slot, f)]
-        for target in self.targets:
-            if target.stack is None:
-                fills += [target.lora_a[slot], target.lora_b[slot]]
-                if (f := factors.get(target.fqn)) is not None:
-                    copies += target.copies(slot, f)
-        return fills, copies
-
-    def columns(self, adapter: LoraAdapter | None) -> tuple[list[float], list[int]]:
-        """``adapter``'s scaling and rank per target, in table order (0 where it has none)."""
-        found = [None if adapter is None else adapter.modules.get(t.fqn) for t in self.targets]
-        return [0.0 if f is None else f.scaling for f in found], [0 if f is None else f.rank for f in found]
-
-
-def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """One flat view over ``tensors`` if each starts where the one before ends, all dense, of
-    one dtype and within the first one's storage; else None."""
-    first = tensors[0]
-    end = first.data_ptr()
-    for t in tensors:
-        if t.data_ptr() != end or t.dtype != first.dtype or not t.is_contiguous():
-            return None
-        end += t.nbytes
-    storage = first.untyped_storage()
-    if end > storage.data_ptr() + storage.nbytes():
-        return None
-    return first.as_strided(((end - first.data_ptr()) // first.element_size(),), (1,), first.storage_offset())
-
-
-class PoolGroup:
-    """Neighbouring linear targets of one :class:`Stack` that read the same input, served by
-    one multi-slice LoRA launch: ``lora_a`` and ``lora_b`` are the stack's slices of them, and
-    ``scaling`` and ``rank`` hold one value per (slot, member), slot-major, copied from the
-    members' values at every write (:meth:`AdapterPool._group_plan`)."""
-
-    def __init__(self, members: list[PoolTarget], owner: TargetSet):
-        self.members = members
-        self.fqns = tuple(m.fqn for m in members)
-        self.fqn = "+".join(self.fqns)  # names the group's buffers in a graph
-        self.widths = tuple(m.info.out_features for m in members)
-        first = members[0]
-        self.lora_a, self.lora_b = first.stack.slices(first.fqn, len(members))
-        self.owner = owner
-        rows = torch.tensor([owner.rows[f] for f in self.fqns], device=first.info.device)
-        with torch.no_grad():  # every slot's values as the set's tables hold them, slot-major
-            self.scaling, self.rank = (table.index_select(0, rows).t().contiguous().view(-1) for table in (owner.scaling, owner.rank))
 
 
 class AdapterPool:
@@ -511,7 +143,7 @@ class AdapterPool:
         wanted = {fqn: info for fqn, info in new.items() if self.wants(fqn, info)}
         sized = self.lora_memory is not None and not self.targets
         slots = self._slots_in_budget(wanted) if sized else self.max_loras
-        sets = self._allocate(wanted, _outputs(new), slots)  # before anything changes: it may not fit
+        sets = self._allocate(wanted, block_outputs(new), slots)  # before anything changes: it may not fit
         if sized:
             self.max_loras = slots
             log.info("%d GPU slots in lora_memory=%d bytes", slots, self.lora_memory)
@@ -568,7 +200,7 @@ class AdapterPool:
             by_layer: dict[tuple, list[PoolTarget]] = {}
             for fqn, info in wanted.items():
                 target = PoolTarget(fqn, info, slots, self.max_rank, stack_of.get(fqn))
-                by_layer.setdefault((_layer(fqn), info.device), []).append(target)
+                by_layer.setdefault((layer_of(fqn), info.device), []).append(target)
             return [TargetSet(targets, slots) for targets in by_layer.values()]
 
         try:
@@ -702,7 +334,7 @@ class AdapterPool:
         keys += [[(fqn, "a"), (fqn, "b")] for fqn in held if fqn not in stacked]
         groups = [[getattr(held[fqn], part) for fqn, part in group] for group in keys]
         factors: dict[str, dict[str, torch.Tensor]] = {fqn: {} for fqn in held}
-        for group, copies in zip(keys, packed_copies(groups, _pinned_bytes)):
+        for group, copies in zip(keys, host_buffers.packed_copies(groups, host_buffers.pinned_bytes)):
             for (fqn, part), t in zip(group, copies):
                 factors[fqn][part] = t
         modules = dict(adapter.modules) | {fqn: dataclasses.replace(f, **factors[fqn]) for fqn, f in held.items()}

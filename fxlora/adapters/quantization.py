@@ -30,7 +30,8 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fxlora.adapters import experts
-from fxlora.adapters.pool import AdapterPool, ModuleInfo
+from fxlora.adapters.modules import ModuleInfo
+from fxlora.adapters.pool import AdapterPool
 from fxlora.errors import QuantizationError
 
 SERVED_METHODS = ("torchao",)
