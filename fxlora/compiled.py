@@ -277,14 +277,14 @@ class CompiledModel(torch.nn.Module):
         self.pool.unload(name)
 
     def delete_adapter(self, adapter_names: str | Sequence[str]) -> None:
-        """PEFT's name for :meth:`unload_adapter`; takes one name or several, and unloads none
-        if any is not loaded."""
+        """PEFT's name for :meth:`unload_adapter`; takes one name or several (each unloaded
+        once, however often it is named), and unloads none if any is not loaded."""
         names = [adapter_names] if isinstance(adapter_names, str) else adapter_names
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
             raise AdapterError(f"delete_adapter takes an adapter name or a list of names, got {adapter_names!r}")
         if missing := [n for n in names if n not in self.pool.adapters]:
             raise AdapterError(f"adapter(s) {missing} not loaded, so none was deleted; loaded: {sorted(self.pool.adapters)}")
-        for name in names:
+        for name in dict.fromkeys(names):
             self.unload_adapter(name)
 
     def explain(self) -> str:

@@ -8,6 +8,7 @@ adapter waits for nothing."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from peft import LoraConfig
 
 import fxlora
-from fxlora.adapters import host_buffers, model_modules, pool, read_adapter
+from fxlora.adapters import NO_ADAPTER, host_buffers, model_modules, pool, read_adapter
 from fxlora.adapters.slots import Stack
 from fxlora.testing import make_adapter, peft_model_with, reference_generate, reference_logits, tiny_model
 
@@ -223,6 +224,48 @@ def test_two_calls_waiting_for_one_adapter_place_it_once(model, many):
     for slots, _ in results:
         cm.pool.release(slots)
     assert cm.pool._pins.total() == 0
+
+
+def test_a_call_waiting_for_a_slot_keeps_the_slots_it_pinned_when_their_adapter_is_unloaded(model, many):
+    """A call pins each adapter as it is placed and waits for the next one's slot with the lock
+    released: an adapter it pinned that is unloaded (or loaded again) meanwhile stays in its
+    slot for that call, whose rows read it there; its end gives every slot back."""
+    torch._dynamo.reset()
+    names = ("ad00", "ad04", "ad08")
+    cm = fxlora.compile(model, adapters={k: many[k] for k in names}, max_loras=2, max_rank=8)
+    p = cm.pool
+    held, _ = p.acquire(["ad00"])  # slot 0 read by another call; ad04 holds slot 1
+    a_slot, a_factors = p.slot_of["ad04"], [t.lora_a[p.slot_of["ad04"]].clone() for t in p.targets.values()]
+    results = []
+    waiter = threading.Thread(target=lambda: results.append(p.acquire(["ad04", None, "ad08"], timeout=30)))
+    waiter.start()
+    for _ in range(600):  # until it has pinned ad04 and waits for a slot for ad08
+        if p._pins[a_slot]:
+            break
+        time.sleep(0.01)
+    cm.unload_adapter("ad04")
+    cm.load_adapter(many["ad04"], "ad04")  # again, new: it takes no slot the waiter holds
+    p.release(held)  # slot 0 comes free: ad08 goes there
+    waiter.join(timeout=60)
+    (slots, modules), = results
+    assert slots == [a_slot, NO_ADAPTER, p.slot_of["ad08"]] and modules == p.modules_of(["ad04", "ad08"])
+    assert all(torch.equal(t.lora_a[a_slot], f) for t, f in zip(p.targets.values(), a_factors))  # as it was pinned
+    p.release(slots)
+    assert p._pins.total() == 0 and not p._draining and "ad04" not in p.slot_of
+    again, _ = p.acquire(["ad04"])  # the reloaded one pages in as any other
+    p.release(again)
+    assert p._pins.total() == 0
+
+
+def test_the_host_tier_drops_the_adapter_used_least_recently_counting_calls_that_find_it_resident(model, tmp_path):
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    dirs = {n: make_adapter(model, cfg, seed=i, directory=str(tmp_path / n)) for i, n in enumerate("abcd")}
+    torch._dynamo.reset()
+    cm = fxlora.compile(model, adapters=dirs, max_loras=2, max_cpu_loras=2, max_rank=8)
+    for name in "abcaadaab":  # "a" is read again from its directory at the fourth, then found in its slot
+        slots, _ = cm.pool.acquire([name])
+        cm.pool.release(slots)
+    assert list(cm.pool.host) == ["a", "b"]  # "d", paged in before "a" was last used, was dropped for "b"
 
 
 @settings(max_examples=25, deadline=None)

@@ -150,6 +150,9 @@ def test_load_adapter_takes_peft_order_and_delete_adapter(cm, adapters, model, t
     cm.delete_adapter(["d"])
     cm.load_adapter("d", path)  # fxlora's earlier order, told by the directory
     cm.unload_adapter("d")
+    cm.load_adapter(path, "d")
+    cm.delete_adapter(["d", "d"])  # named twice: deleted once
+    assert "d" not in cm.adapter_names
     with pytest.raises(fxlora.AdapterError, match="adapter 'zzz': nope/x is not a directory"):
         cm.load_adapter("nope/x", "zzz")
     (tmp_path / "d2").mkdir()

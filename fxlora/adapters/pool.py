@@ -453,25 +453,31 @@ class AdapterPool:
                     f"a call names {len(names)} adapters but the pool has max_loras={self.max_loras} GPU slots: split the "
                     f"batch, or compile with max_loras={len(names)} or more"
                 )
-            pinned: list[int] = []
+            # Each adapter is pinned once placed, so that no other call evicts it meanwhile, and the
+            # call reads it there, as it was then: waiting for a later one's slot releases the lock,
+            # and an adapter unloaded or loaded again meanwhile keeps its pinned slot for this call.
+            pinned: dict[str, int] = {}
+            modules: set[str] = set()
             try:
-                for name in names:  # each pinned once placed, so that no other call evicts it meanwhile
+                for name in names:
                     if name in self.slot_of:
                         self.hits += 1
+                        if name in self.host:
+                            self.host.move_to_end(name)  # used: the host tier drops it last
                     elif self._wait_for_slot(name, timeout):  # another call placed it meanwhile
                         self.hits += 1
                     else:
                         self.misses += 1
                         self._place(name, self._free_slot(), stream)
-                    slot = self.slot_of[name]
+                    slot = pinned[name] = self.slot_of[name]
                     self._pins[slot] += 1
-                    pinned.append(slot)
+                    modules |= self.modules_of([name])
                     self._clock += 1
                     self._used[slot] = self._clock
             except BaseException:
-                self.release(pinned)
+                self.release(pinned.values())
                 raise
-            return self.slot_ids(adapter_names), self.modules_of(names)
+            return [NO_ADAPTER if name is None else pinned[name] for name in adapter_names], modules
 
     def _wait_for_slot(self, name: str, timeout: float | None) -> bool:
         """Wait (under the lock) up to ``timeout`` for a slot ``name`` may take, or for ``name``
