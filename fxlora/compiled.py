@@ -526,8 +526,9 @@ def load(pool: AdapterPool, model: torch.nn.Module, name: str, source: AdapterSo
         stamp = directory_stamp(path)
 
         def reread() -> LoraAdapter:
-            if directory_stamp(path) != stamp:
-                raise AdapterError(f"adapter {name!r} ({path}): its files changed since it was loaded: load it again")
+            if (now := directory_stamp(path)) != stamp:
+                what = "are gone" if not now else "changed"
+                raise AdapterError(f"adapter {name!r} ({path}): its files {what} since it was loaded: load it again")
             return placement.resolve(read_adapter(name, path), model)
 
     with sharding.one_outcome(group):
