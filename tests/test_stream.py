@@ -6,6 +6,7 @@ bad requests that fail alone; the serving loop's API from other threads."""
 from __future__ import annotations
 
 import threading
+import time
 from unittest import mock
 
 import numpy as np
@@ -19,6 +20,7 @@ from transformers import GenerationConfig
 import fxlora
 from fxlora.runtime import runner
 from fxlora.runtime.runner import PREFILL_ALIGN, PREFILL_PADDING, PREFILL_SMALL, prefill_groups
+from fxlora.runtime.sampler import _uniform, suppress
 from fxlora.runtime.serving import Requests
 from fxlora.testing import lora_module_names, make_adapter, peft_model_with, reference_generate, tiny_model
 
@@ -142,6 +144,33 @@ def test_a_seeded_sampled_request_ignores_the_rest_of_the_batch(served):
     assert greedy[0].generated_tokens == expected(served, prompt, "a", 8, None)
 
 
+def test_limits_past_the_runners_integers_mean_what_their_largest_useful_values_do(served):
+    """A ``min_new_tokens`` past ``max_new_tokens`` holds every end token back, a ``top_k`` past
+    the vocabulary keeps every token: served as those, whatever their size."""
+    model, _, cm, _, _ = served
+    prompts, kw = [[9, 8, 7], [5, 6]], dict(max_new_tokens=6, eos_token_id=[3, 4], do_sample=True, seed=7, progress_bar=False)
+    huge = cm.generate_batch(prompts, ["a", None], min_new_tokens=2**63, top_k=2**63, **kw)
+    plain = cm.generate_batch(prompts, ["a", None], min_new_tokens=6, top_k=0, **kw)
+    assert [o.generated_tokens for o in huge] == [o.generated_tokens for o in plain] and all(o.error is None for o in huge)
+
+
+def test_an_end_token_of_id_0_is_held_back_before_min_new_tokens():
+    """End-token lists are padded with -1 up to the runner's width: the pads never undo the hold
+    on a real end token 0 (the scatter used to write token 0's logit back over it)."""
+    logits = torch.randn(4, 10)
+    tokens = torch.tensor([[0, -1, -1], [5, 0, -1], [-1, -1, -1], [0, -1, -1]])
+    held = suppress(logits, tokens, torch.tensor([True, True, True, False]))
+    assert torch.isinf(held[0, 0]) and torch.isinf(held[1, 0]) and torch.isinf(held[1, 5])
+    assert torch.equal(held[2], logits[2]) and torch.equal(held[3], logits[3])  # no end token; not held back
+    assert torch.equal(held[0, 1:], logits[0, 1:]) and held[1].isinf().sum() == 2
+
+
+def test_seeds_whose_halves_trade_bits_draw_apart():
+    seeds = torch.tensor([1, 2**32, 3 * 2**32 + 2, 5, 5 * 2**32, -1])
+    noise = _uniform(seeds, torch.zeros(len(seeds), dtype=torch.int64), 64)
+    assert len({tuple(row.tolist()) for row in noise}) == len(seeds)
+
+
 def test_requests_wait_for_blocks_and_none_fails(served):
     model, _, cm, _, _ = served
     requests = cm._requests({**STREAM, "max_batch_size": 4, "kv_cache_memory": _bytes_for_blocks(cm, 7)}, None)
@@ -170,6 +199,9 @@ def test_bad_requests_are_refused_by_name(served):
         (dict(input_ids=[5], max_new_tokens=2, do_sample=True, top_p=1.5), fxlora.GenerationConfigError, "top_p"),
         (dict(input_ids=[5], max_new_tokens=2, repetition_penalty=1.2), fxlora.GenerationConfigError, "repetition_penalty"),
         (dict(input_ids=[5], max_new_tokens=2, seed=1.5), TypeError, "seed must be an int"),
+        (dict(input_ids=[5], max_new_tokens=2, do_sample=True, seed=2**64), ValueError, r"seed must lie in \[-2\*\*63, 2\*\*63\)"),
+        (dict(input_ids=[5], max_new_tokens=2, do_sample=True, temperature=float("nan")), fxlora.GenerationConfigError,
+         "temperature must be > 0 when sampling, got nan"),
         (dict(input_ids=[5], adapter_names=["a"]), TypeError, "unexpected keyword adapter_names=.*adapter_name="),
     ]
     for kwargs, error, fragment in cases:
@@ -236,6 +268,50 @@ def test_stop_lets_the_requests_in_flight_end_and_a_hard_stop_cancels_them(serve
         manager.stop(hard_stop=True)
     out = manager.get_result(cut, timeout=60)
     assert out.finish_reason == "cancelled" and len(out.generated_tokens) < 25
+
+
+def test_a_reader_woken_by_the_loops_end_gets_the_last_result(served, monkeypatch):
+    """The loop's end cancels what is in flight and closes in one step under the results'
+    lock: a reader waiting by id never sees the loop closed without that request's result."""
+    model, _, cm, requests, _ = served
+    fail_all = requests.engine.fail_all
+
+    def slow_fail_all(*args):
+        time.sleep(0.3)  # the window in which a woken reader used to find the loop closed, the result not yet there
+        return fail_all(*args)
+
+    with cm.serve(**STREAM) as manager:
+        cut = manager.add_request([7, 8, 9], max_new_tokens=25, streaming=True, eos_token_id=())
+        outs = []
+        reader = threading.Thread(target=lambda: outs.extend(manager.request_id_iter(cut, timeout=60)))
+        reader.start()
+        monkeypatch.setattr(requests.engine, "fail_all", slow_fail_all)
+        manager.stop(hard_stop=True)
+    reader.join(timeout=60)
+    assert outs and outs[-1].finish_reason == "cancelled"
+
+
+def test_generate_batch_through_a_running_loop_keeps_its_results_from_other_readers(served):
+    model, _, cm, _, _ = served
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    with cm.serve(**STREAM) as manager:
+        taken, reading = [], threading.Event()
+
+        def read_any():
+            while not reading.is_set():
+                if (out := manager.get_result(timeout=0.05)) is not None:
+                    taken.append(out.request_id)
+
+        reader = threading.Thread(target=read_any)
+        reader.start()
+        try:
+            outs = cm.generate_batch(prompts, ["a", None, "b"], max_new_tokens=4, eos_token_id=(), progress_bar=False)
+        finally:
+            reading.set()
+            reader.join(timeout=60)
+    assert taken == [] and [o.generated_tokens for o in outs] == [
+        expected(served, p, n, 4, None) for p, n in zip(prompts, ["a", None, "b"])
+    ]
 
 
 def test_generate_batch_refuses_what_it_serves_otherwise_for_the_whole_call(served):

@@ -141,7 +141,7 @@ def resolve(
         eos_token_ids=_token_ids(values["eos_token_id"]),
         pad_token_id=values["pad_token_id"],
     )
-    if do_sample and settings.temperature <= 0:
+    if do_sample and not settings.temperature > 0:  # (NaN too)
         raise GenerationConfigError(f"temperature must be > 0 when sampling, got {settings.temperature}")
     if not 0 < settings.top_p <= 1:
         raise GenerationConfigError(f"top_p must lie in (0, 1], got {settings.top_p}")

@@ -32,6 +32,10 @@ class SamplingRows:
 def suppress(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``logits`` with the ``tokens`` (rows, n; -1 pads) of the ``rows`` (bool) set to -inf:
     end tokens before a row's ``min_new_tokens``."""
+    # a pad repeats its row's first entry, so that every write to one index writes one value (a
+    # pad written as token 0 would undo the -inf of an end token 0 beside it); a row of pads alone
+    # writes token 0's own logit back
+    tokens = torch.where(tokens >= 0, tokens, tokens[:, :1])
     hide = rows[:, None] & (tokens >= 0)
     index = tokens.clamp(min=0)
     current = logits.gather(1, index)
@@ -60,11 +64,17 @@ def pick(logits: torch.Tensor, rows: SamplingRows, draw: torch.Tensor, sampling:
 
 def _uniform(seed: torch.Tensor, draw: torch.Tensor, vocab: int) -> torch.Tensor:
     """(rows, vocab) numbers in (0, 1), a hash of (seed, draw, token): multiply-xorshift rounds
-    on int64 values kept below 2**32, by odd constants below 2**31, so no product overflows."""
+    on int64 values kept below 2**32, by odd constants below 2**31, so no product overflows. The
+    seed's halves go in one after the other, each mixed before the next, so that seeds whose
+    halves merely trade bits (1 and 2**32) draw apart."""
     token = torch.arange(vocab, device=seed.device, dtype=torch.int64)
-    h = (seed[:, None] & _MASK32) ^ ((draw[:, None] * 0x165667B1) & _MASK32) ^ ((seed[:, None] >> 32) & _MASK32)
-    h = (h * 0x27D4EB2F + token[None, :]) & _MASK32
+    h = _mixed((seed[:, None] & _MASK32) ^ ((draw[:, None] * 0x165667B1) & _MASK32))  # (rows, 1): cheap rounds
+    h = _mixed(h ^ ((seed[:, None] >> 32) & _MASK32))
+    return ((_mixed((h * 0x27D4EB2F + token[None, :]) & _MASK32) >> 8).float() + 0.5) / float(1 << 24)
+
+
+def _mixed(h: torch.Tensor) -> torch.Tensor:
+    """Three multiply-xorshift rounds and a final xorshift of 32-bit values held in int64."""
     for multiplier in (0x7FEB352D, 0x5BD1E995, 0x1B873593):
         h = ((h ^ (h >> 15)) * multiplier) & _MASK32
-    h = h ^ (h >> 16)
-    return ((h >> 8).float() + 0.5) / float(1 << 24)
+    return h ^ (h >> 16)

@@ -11,6 +11,7 @@ added, read and cancelled from any thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import threading
@@ -140,13 +141,15 @@ class Requests:
                 raise GenerationConfigError(f"max_length={config.max_length} leaves no room after a prompt of {len(prompt)} tokens")
             if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
                 raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-            decoding = Decoding(
+            if seed is not None and not -(2**63) <= seed < 2**63:
+                raise ValueError(f"seed must lie in [-2**63, 2**63) (a 64-bit int), got {seed}")
+            decoding = Decoding(  # the runner's int64 buffers hold them: larger limits mean what these do
                 max_new_tokens=new_tokens,
-                min_new_tokens=config.min_tokens(len(prompt)),
+                min_new_tokens=min(config.min_tokens(len(prompt)), new_tokens),
                 eos_token_ids=config.eos_token_ids,
                 do_sample=config.do_sample,
                 temperature=config.temperature,
-                top_k=config.top_k,
+                top_k=None if config.top_k is None else min(config.top_k, self.vocab_size or 2**62),
                 top_p=config.top_p,
                 seed=seed if seed is not None else int(torch.randint(0, 2**62, ())),
             )
@@ -290,11 +293,12 @@ def generate_batch(
     with tqdm(total=n, desc="fxlora: generating", unit="request", **shown(progress_bar)) as bar:
         bar.update(n - len(index))
         if manager is not None:
-            for seq in seqs:
-                manager.add(seq)
-            for request_id, i in index.items():
-                outputs[i] = manager.get_result(request_id)
-                bar.update()
+            with manager.claimed(list(index)):  # no other reader of the loop's results takes these
+                for seq in seqs:
+                    manager.add(seq)
+                for request_id, i in index.items():
+                    outputs[i] = manager.get_result(request_id)
+                    bar.update()
             return outputs  # type: ignore[return-value]
         engine = requests.engine
         with engine.driver:  # one caller of the engine's turns at a time: each gets its own events
@@ -410,15 +414,17 @@ class ServingManager:
         except BaseException as e:  # noqa: BLE001 - every request in flight hears of it, and later calls raise it
             self.error = e
             log.exception("the serving loop stopped")
-            self._close()
-            self._deliver(self.engine.fail_all("error", f"the serving loop stopped: {type(e).__name__}: {e}"))
+            self._close("error", f"the serving loop stopped: {type(e).__name__}: {e}")
             return
-        self._close()
-        self._deliver(self.engine.fail_all("cancelled"))
+        self._close("cancelled")
 
-    def _close(self) -> None:
-        with self._changed:  # from here on add() refuses: nothing waits in the inbox unserved
+    def _close(self, reason: str, error: str | None = None) -> None:
+        """The loop ended: what is in flight ends with ``reason``, and from here on add()
+        refuses. One step under the results' lock, so that no request reaches the inbox after
+        it was emptied and a reader woken by the close finds those last results."""
+        with self._changed:
             self._closed = True
+            self._deliver(self.engine.fail_all(reason, error))
             self._changed.notify_all()
 
     def _deliver(self, events: list[Event]) -> None:
@@ -499,12 +505,34 @@ class ServingManager:
                     if not self._order:
                         return
 
+    @contextlib.contextmanager
+    def claimed(self, request_ids: list[str]) -> Iterator[None]:
+        """Within the block the results of ``request_ids`` go only to callers that ask for them
+        by id, never to ``get_result()`` or iteration."""
+        with self._changed:
+            for request_id in request_ids:
+                self._claim(request_id)
+        try:
+            yield
+        finally:
+            with self._changed:
+                for request_id in request_ids:
+                    self._unclaim(request_id)
+
+    def _claim(self, request_id: str) -> None:
+        self._claimed[request_id] = self._claimed.get(request_id, 0) + 1
+
+    def _unclaim(self, request_id: str) -> None:
+        self._claimed[request_id] -= 1
+        if not self._claimed[request_id]:
+            del self._claimed[request_id]
+
     def _take(self, request_id: str | None, timeout: float | None) -> Iterator[GenerationOutput]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._changed:
                 if request_id is not None:
-                    self._claimed[request_id] = self._claimed.get(request_id, 0) + 1
+                    self._claim(request_id)
                 try:
                     while (out := self._next(request_id)) is None:
                         if request_id is not None and request_id not in self._results and not self.engine.knows(request_id):
@@ -520,9 +548,7 @@ class ServingManager:
                         self._changed.wait(left)
                 finally:
                     if request_id is not None:
-                        self._claimed[request_id] -= 1
-                        if not self._claimed[request_id]:
-                            del self._claimed[request_id]
+                        self._unclaim(request_id)
             yield out
             if out.is_finished():
                 return
