@@ -12,6 +12,7 @@ import copy
 import inspect
 import itertools
 import logging
+import math
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -574,6 +575,7 @@ def _unwrap_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Ada
         return model, {}
     if not isinstance(model, PeftModel):
         return model, {}
+    _check_peft_layers(model)
     adapters = {
         name: (config, get_peft_model_state_dict(model, adapter_name=name))
         for name, config in model.peft_config.items()
@@ -581,3 +583,36 @@ def _unwrap_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Ada
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     clone = copy.deepcopy(model, memo)
     return clone.unload(), adapters
+
+
+def _check_peft_layers(model: Any) -> None:
+    """Refuse a PeftModel whose LoRA layers compute otherwise than their saved adapters: merged
+    into the base weights (fxlora would add them again), scaled at run time (``set_scale``,
+    ``rescale_adapter_scale``: fxlora serves ``alpha / r``), or an output head tied to an
+    embedding's LoRA (``ensure_weight_tying``)."""
+    from peft.tuners.lora import LoraLayer
+
+    tied = model.get_base_model().config.to_dict().get("tie_word_embeddings", False)
+    for name, config in model.peft_config.items():
+        if tied and getattr(config, "ensure_weight_tying", False):
+            raise AdapterError(
+                f"adapter {name!r} (a PeftModel): ensure_weight_tying=True on a model with tied embeddings ties the "
+                "output head's LoRA to the embedding's, which fxlora does not serve"
+            )
+    for path, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        if layer.merged_adapters:
+            raise AdapterError(
+                f"adapter(s) {layer.merged_adapters} of the PeftModel are merged into its base weights (module "
+                f"{path!r}): fxlora adds the LoRA onto the base itself; call unmerge_adapter() before fxlora.compile"
+            )
+        for adapter, scaling in layer.scaling.items():
+            r, alpha = layer.r[adapter], layer.lora_alpha[adapter]
+            plain = alpha / math.sqrt(r) if layer.use_rslora.get(adapter, False) else alpha / r
+            if not math.isclose(scaling, plain, rel_tol=1e-6):
+                raise AdapterError(
+                    f"adapter {adapter!r} of the PeftModel: module {path!r} scales its LoRA by {scaling:g}, not by its "
+                    f"config's {plain:g} (set_scale, rescale_adapter_scale): fxlora serves the config's; undo the "
+                    "rescaling, or give the adapter a lora_alpha that makes it"
+                )

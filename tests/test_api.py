@@ -40,6 +40,30 @@ def test_compile_leaves_the_model_unchanged(model, inputs, tmp_path):
     assert torch.equal(model(**inputs).logits, expected)
 
 
+def test_a_peft_model_whose_layers_compute_otherwise_than_its_adapters_is_refused(model):
+    """Merged into the base weights, fxlora would add the LoRA again; scaled at run time
+    (set_scale), it would serve the config's scaling instead: both raise, naming why."""
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    peft_model.merge_adapter()
+    with pytest.raises(fxlora.AdapterError, match=r"\['default'\] of the PeftModel are merged.*unmerge_adapter\(\)"):
+        fxlora.compile(peft_model)
+    peft_model.unmerge_adapter()
+    for layer in peft_model.modules():
+        if hasattr(layer, "set_scale"):
+            layer.set_scale("default", 3.0)
+    with pytest.raises(fxlora.AdapterError, match="scales its LoRA by 6, not by its config's 2"):
+        fxlora.compile(peft_model)
+
+
+def test_a_peft_model_tying_its_heads_lora_to_the_embeddings_is_refused():
+    if "ensure_weight_tying" not in LoraConfig.__dataclass_fields__:  # PEFT before 0.21.2
+        pytest.skip("this PEFT has no ensure_weight_tying")
+    tied = tiny_model("llama", seed=2, tie_word_embeddings=True)
+    config = LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"], ensure_weight_tying=True, init_lora_weights=False)
+    with pytest.raises(fxlora.AdapterError, match="ensure_weight_tying=True on a model with tied embeddings"):
+        fxlora.compile(get_peft_model(tied, config))
+
+
 def test_compile_a_peft_model(model, inputs):
     peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["v_proj"], init_lora_weights=False), adapter_name="v")
     peft_model.add_adapter("o", LoraConfig(r=2, lora_alpha=5, target_modules=["o_proj", "embed_tokens"], init_lora_weights=False))

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 import fxlora
 from fxlora import AdapterError
+from fxlora.adapters import read_adapter
 from fxlora.testing import lora_module_names, make_adapter, tiny_model
 
 
@@ -219,6 +220,34 @@ def test_unrecognised_tensor(cm, ids, model):
     config, state = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj"]), 0, "")
     state["base_model.model.model.layers.0.self_attn.q_proj.mystery"] = torch.ones(2)
     assert_load_fails(cm, ids, (config, state), "unrecognised tensor", "mystery")
+
+
+def test_whole_weights_saved_with_embedding_layers_are_refused_by_name(cm, ids, model):
+    config, state = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj"]), 0, "")
+    state["base_model.model.lm_head.weight"] = model.lm_head.weight.detach().clone()  # save_embedding_layers=True
+    assert_load_fails(cm, ids, (config, state), "'lm_head.weight' is the whole weight of module 'lm_head'", "save_embedding_layers=False")
+
+
+def test_tensors_of_several_adapters_in_one_file_are_refused(cm, ids, model):
+    config, state = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj"]), 0, "")
+    state = {k.replace(".weight", f".{name}.weight"): v for k, v in state.items() for name in ("first", "second")}
+    assert_load_fails(cm, ids, (config, state), "the LoRA of several adapters", "['first', 'second']")
+
+
+def test_output_head_factors_under_all_linear_are_refused_as_peft_ignores_them(cm, ids, model):
+    config, state = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj", "lm_head"]), 0, "")
+    config.target_modules = "all-linear"
+    assert_load_fails(cm, ids, (config, state), "'lm_head', the model's output head", "'all-linear' leaves out")
+
+
+def test_keys_without_peft_prefix_in_a_file_warn(model, tmp_path):
+    from safetensors.torch import load_file
+
+    path = make_adapter(model, LoraConfig(r=2, target_modules=["q_proj"]), 0, str(tmp_path / "a"))
+    file = tmp_path / "a" / "adapter_model.safetensors"
+    save_file({k.removeprefix("base_model.model."): v for k, v in load_file(file).items()}, file)
+    with pytest.warns(fxlora.AdapterWarning, match=r"lack PEFT's 'base_model.model.' prefix.*PEFT loads none of them"):
+        read_adapter("a", path)
 
 
 def test_wrong_source_type(cm, ids):

@@ -53,9 +53,10 @@ _PREFIX = "base_model.model."
 # `<module>.lora_A.weight`, also with an adapter name before `.weight` as in a PeftModel's
 # own state_dict(); embeddings store bare `lora_embedding_A` / `lora_embedding_B` tensors.
 _FACTOR_KEY = re.compile(
-    r"^(?P<module>.+)\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight|lora_embedding_(?P<eab>[AB])(?:\.[^.]+)?)$"
+    r"^(?P<module>.+)\.(?:lora_(?P<ab>[AB])(?:\.(?P<an>[^.]+))?\.weight|lora_embedding_(?P<eab>[AB])(?:\.(?P<ean>[^.]+))?)$"
 )
 _BASE_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.weight$")
+_WHOLE_WEIGHT_KEY = re.compile(r"^(?P<module>.+)\.weight$")  # a module's own weight: save_embedding_layers
 _FEATURE_KEYS = {
     "lora_magnitude_vector": "DoRA (lora_magnitude_vector)",
     "lora_B.bias": "LoRA bias (lora_B.bias)",
@@ -337,9 +338,13 @@ def _factors(
     halves: dict[str, dict[str, torch.Tensor]] = {}
     kinds: dict[str, str] = {}
     base_weights: dict[str, torch.Tensor] = {}
+    names: set[str | None] = set()  # the adapter names within the keys (a PeftModel's state_dict() has them)
+    unprefixed = []
     for key, tensor in state.items():
         if not isinstance(key, str):
             raise AdapterError(f"adapter {name!r} ({where}): state dict key {key!r} is not a string")
+        if not key.startswith(_PREFIX):
+            unprefixed.append(key)
         key = key.removeprefix(_PREFIX)
         for marker, feature in _FEATURE_KEYS.items():
             if marker in key:
@@ -349,11 +354,31 @@ def _factors(
             base_weights[m["module"]] = tensor
             continue
         m = _FACTOR_KEY.match(key)
+        if m is None and (whole := _WHOLE_WEIGHT_KEY.match(key)) is not None:
+            raise AdapterError(
+                f"adapter {name!r} ({where}): tensor {key!r} is the whole weight of module {whole['module']!r} (PEFT saves "
+                "embedding layers so with save_embedding_layers, or after the vocabulary was resized): fxlora serves "
+                "LoRA factors onto the model's own weights; save the adapter with save_embedding_layers=False"
+            )
         if m is None:
             raise AdapterError(f"adapter {name!r} ({where}): unrecognised tensor {key!r}")
         module, ab = without_outer_wrappers(m["module"]), m["ab"] or m["eab"]
         kinds[module] = "linear" if m["ab"] else "embedding"
         halves.setdefault(module, {})[ab] = tensor
+        names.add(m["an"] or m["ean"])
+    if len(names) > 1:
+        shown = sorted(n or "(none)" for n in names)
+        raise AdapterError(
+            f"adapter {name!r} ({where}): its tensors hold the LoRA of several adapters (named {shown} in their keys): "
+            "give one adapter's, as PEFT's save_pretrained writes them"
+        )
+    if unprefixed and where != "<memory>":
+        warnings.warn(
+            f"adapter {name!r} ({where}): {len(unprefixed)} tensor key(s) lack PEFT's {_PREFIX!r} prefix (e.g. "
+            f"{unprefixed[0]!r}): PEFT loads none of them and serves the base model; fxlora reads them as module paths",
+            AdapterWarning,
+            stacklevel=4,
+        )
 
     modules: dict[str, LoraFactors] = {}
     for module, ab in halves.items():
@@ -370,9 +395,11 @@ def _factors(
             modules[module] = LoraFactors("parameter", a, b, None)
             continue
         if not all_linear_selects(config.target_modules, kinds[module]) and not selects_module(config, module):
+            tying = getattr(config, "ensure_weight_tying", False)  # (PEFT 0.21.2 on)
+            tied = " (ensure_weight_tying=True ties the output head's LoRA to the embedding's: not served)" if tying else ""
             raise AdapterError(
                 f"adapter {name!r} ({where}): holds weights for module {module!r}, which its "
-                "target_modules / exclude_modules / layers_to_transform do not select"
+                f"target_modules / exclude_modules / layers_to_transform do not select{tied}"
             )
         modules[module] = module_factors(name, where, config, module, kinds[module], a, b)
     return modules, base_weights

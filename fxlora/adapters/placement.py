@@ -32,6 +32,7 @@ from fxlora.adapters.modules import ModuleInfo
 from fxlora.adapters.peft_format import (
     LoraAdapter,
     LoraFactors,
+    all_linear,
     all_linear_selects,
     module_factors,
     rank_and_scaling,
@@ -67,6 +68,11 @@ def resolve(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
                 raise AdapterError(f"{where}: module {key!r}: {m['proj']!r} is not an expert projection")
             per_expert[m["experts"]][(int(m["e"]), proj)] = f
         else:
+            if f.kind == "linear" and head is not None and modules.get(key) is head and all_linear(adapter.config.target_modules):
+                raise AdapterError(  # read without the model, the head looked like any linear
+                    f"{where}: holds weights for module {key!r}, the model's output head, which its target_modules "
+                    "'all-linear' leaves out, as PEFT does (PEFT would not load them): name it in target_modules to serve it"
+                )
             put(key, f, key)
     for owner, parts in per_expert.items():
         for fqn, factors in experts.per_expert_factors(where, owner, modules[owner], parts).items():
