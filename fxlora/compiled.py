@@ -270,12 +270,25 @@ class CompiledModel(torch.nn.Module):
         if self._group is None:
             load(self.pool, self.model, name, source, None)
             return
+        self._refuse_while_serving_sharded("load_adapter")
         with self._backend.lock:  # the ranks' agreement must not interleave with a call's collectives
             load(self.pool, self.model, name, source, self._group)
 
     def unload_adapter(self, name: str) -> None:
         """Remove an adapter from its slot (after the calls reading it return)."""
+        if self._group is not None:
+            self._refuse_while_serving_sharded("unload_adapter")
         self.pool.unload(name)
+
+    def _refuse_while_serving_sharded(self, call: str) -> None:
+        """Under tensor parallelism the ranks' loops admit rank 0's requests turn by turn and a
+        load's agreement is a collective of its own: with a loop serving, they would not meet in
+        one order (a hang, or ranks holding other adapters)."""
+        if self._manager is not None and self._manager.is_running():
+            raise RuntimeError(
+                f"{call} while cm.serve() runs under tensor parallelism: every rank's loop would admit requests "
+                "against other adapters, or wait in another collective; stop the loop (manager.stop()) first"
+            )
 
     def delete_adapter(self, adapter_names: str | Sequence[str]) -> None:
         """PEFT's name for :meth:`unload_adapter`; takes one name or several (each unloaded

@@ -192,6 +192,8 @@ def check_the_stream_follows_rank_0_and_matches_one_process(case):
         assert torch.equal(out["stream"], expected["stream"])
         rows = [[t for t in row.tolist() if t >= 0] for row in expected["stream"]]
         assert report["served"] == rows  # every rank's loop served the requests rank 0 added
+        assert torch.equal(out["stream_served"], expected["stream"])  # generate_batch through them, on every rank
+        assert "load_adapter while cm.serve() runs under tensor parallelism" in report["load_while_serving"]
     assert ranks[0][1]["served_ids"] == [f"s{i}" for i in range(5)] and ranks[1][1]["served_ids"] == [None] * 5
 
 

@@ -103,6 +103,12 @@ def main(directory: str, results: str) -> None:
             ids = [manager.add_request(p, f"s{i}", n, adapter_name=a, eos_token_id=()) for i, (p, a, n) in enumerate(script["stream"])]
             report["served_ids"] = ids
             report["served"] = [manager.get_result(f"s{i}", timeout=120).generated_tokens for i in range(len(ids))]
+            out["stream_served"] = stream_tokens(cm, script["stream"])  # generate_batch through the running loops
+            try:
+                cm.load_adapter(f"{directory}/c", adapter_name="e2")
+                report["load_while_serving"] = "loaded"
+            except RuntimeError as e:
+                report["load_while_serving"] = str(e)
     # an adapter on the embedding, which the plan splits over its vocabulary (transformers 5.2x)
     if script["embedding"]:
         embedding = model.get_input_embeddings().weight

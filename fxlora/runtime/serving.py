@@ -294,8 +294,9 @@ def generate_batch(
         bar.update(n - len(index))
         if manager is not None:
             with manager.claimed(list(index)):  # no other reader of the loop's results takes these
-                for seq in seqs:
-                    manager.add(seq)
+                if manager.is_driver:  # (the other ranks' loops serve rank 0's, whose ids are these)
+                    for seq in seqs:
+                        manager.add(seq)
                 for request_id, i in index.items():
                     outputs[i] = manager.get_result(request_id)
                     bar.update()
