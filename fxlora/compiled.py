@@ -605,7 +605,7 @@ def _check_peft_layers(model: Any) -> None:
     embedding's LoRA (``ensure_weight_tying``)."""
     from peft.tuners.lora import LoraLayer
 
-    tied = model.get_base_model().config.to_dict().get("tie_word_embeddings", False)
+    tied = bool(getattr(getattr(model.get_base_model(), "config", None), "tie_word_embeddings", False))  # (any nn.Module)
     for name, config in model.peft_config.items():
         if tied and getattr(config, "ensure_weight_tying", False):
             raise AdapterError(
