@@ -6,6 +6,8 @@ own output bit for bit, in the lora and the nolora variant. float32: 1e-5 relati
 row (``fxlora.testing.RTOL``). Also the compile-time refusals, each naming the quantisation
 method and the module."""
 
+import copy
+
 import pytest
 import torch
 from peft import LoraConfig
@@ -167,11 +169,13 @@ def bitsandbytes_model(llama, tmp_path, warm=True, **options):
     return model
 
 
-def test_bitsandbytes_4bit_linears_keep_their_quantised_matmul(wide_llama, tmp_path):
+@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16])
+def test_bitsandbytes_4bit_linears_keep_their_quantised_matmul(wide_llama, tmp_path, storage):
     """QLoRA's base: nf4 weights through transformers' BitsAndBytesConfig, against PEFT's
-    bitsandbytes LoRA layers."""
+    bitsandbytes LoRA layers; packed in bytes or in bfloat16 (``bnb_4bit_quant_storage``), the
+    LoRA is kept in the layers' compute dtype, not in their storage's."""
     torch._dynamo.reset()
-    nf4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    nf4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=storage)
     model = bitsandbytes_model(wide_llama, tmp_path, **nf4)
     assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
     adapters = adapters_for(wide_llama, ["q_proj", "v_proj", "down_proj"])
@@ -188,6 +192,29 @@ def test_bitsandbytes_8bit_linears_are_refused_at_compile_time(llama, tmp_path):
     model = bitsandbytes_model(llama, tmp_path, load_in_8bit=True)
     with pytest.raises(fxlora.QuantizationError, match=r"quantised \(bitsandbytes\).*\(Linear8bitLt, weight Int8Params"):
         fxlora.compile(model, adapters=adapters_for(llama, ["q_proj"]), max_loras=2, max_rank=8)
+    import bitsandbytes as bnb  # the same layer swapped in by hand, with no quantization_config
+
+    model = copy.deepcopy(llama)
+    old = model.model.layers[0].self_attn.q_proj
+    new = bnb.nn.Linear8bitLt(old.in_features, old.out_features, bias=False, has_fp16_weights=False)
+    new.weight = bnb.nn.Int8Params(old.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
+    model.model.layers[0].self_attn.q_proj = new
+    with pytest.raises(fxlora.QuantizationError, match=r"quantised \(bitsandbytes\).*\(Linear8bitLt"):
+        fxlora.compile(model, adapters=adapters_for(llama, ["q_proj"]), max_loras=2, max_rank=8)
+
+
+def test_base_weights_an_adapter_carries_for_a_quantised_module_are_refused_by_name(llama):
+    """PEFT saves an output head's weight beside its LoRA (save_embedding_layers): against a
+    head torchao quantised, it cannot be told equal to the model's."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch._dynamo.reset()
+    model = copy.deepcopy(llama)
+    quantize_(model, Int8WeightOnlyConfig())  # every linear, the output head too
+    config, state = make_adapter(llama, LoraConfig(r=4, target_modules=["lm_head", "q_proj"]), 4, "")
+    state["base_model.model.lm_head.base_layer.weight"] = llama.lm_head.weight.detach().clone()
+    with pytest.raises(fxlora.AdapterError, match=r"module 'lm_head': the adapter carries base weights.*quantised \(Int8Tensor\)"):
+        fxlora.compile(model, adapters={"h": (config, state)}, max_loras=2, max_rank=8)
 
 
 @pytest.mark.parametrize("base", ["torchao int8", "bitsandbytes nf4"])

@@ -57,7 +57,9 @@ class ModuleInfo:
             return ModuleInfo._linear(module.weight, out_dim=1, keep_weight=False)
         if isinstance(module, torch.nn.Linear):  # its features, whatever shape a quantised weight packs into
             dtype = module.weight.dtype
-            if not dtype.is_floating_point:  # a packed weight (bitsandbytes): LoRA in the dtype the layer computes in
+            if not dtype.is_floating_point or hasattr(module.weight, "quant_state"):
+                # a packed weight (bitsandbytes' 4-bit, whose quant_storage may be a float dtype): LoRA in the
+                # dtype the layer computes in
                 dtype = getattr(module, "compute_dtype", None) or torch.get_default_dtype()
             return ModuleInfo._linear(module.weight, out_dim=0, features=(module.out_features, module.in_features), dtype=dtype)
         if isinstance(module, torch.nn.Embedding):  # whole factors, however the weight is split (DTensor: its whole shape)

@@ -97,6 +97,8 @@ def quantization_method(model: torch.nn.Module) -> str | None:
         return "torchao"
     if any(_compressed_tensors_module(m) for m in model.modules()):  # its wrappers outlive a dequantised load
         return "compressed-tensors"
+    if any(type(m).__module__.startswith("bitsandbytes") for m in model.modules()):  # its layers swapped in by hand
+        return "bitsandbytes"
     return None
 
 
