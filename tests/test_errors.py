@@ -283,6 +283,13 @@ def test_unknown_option(model, ids):
         compiled(**ids)
 
 
+@pytest.mark.parametrize("option", [{"cuda_graphs": "no"}, {"target_modules": 5}, {"target_modules": ["q_proj", 5]}])
+def test_option_of_a_wrong_type(model, ids, option):
+    compiled = torch.compile(model, backend="fxlora", options=option)
+    with pytest.raises(TypeError, match=f"fxlora option '{next(iter(option))}' must be"):
+        compiled(**ids)
+
+
 def test_bad_compile_adapter_names_the_file(model, tmp_path):
     path = adapter_dir(model, tmp_path)
     config_file = tmp_path / "adapter" / "adapter_config.json"

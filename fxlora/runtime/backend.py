@@ -77,6 +77,13 @@ class Backend:
         unknown = set(options) - set(OPTIONS)
         if unknown:
             raise ValueError(f"unknown fxlora option(s) {sorted(unknown)}; known: {list(OPTIONS)}")
+        if not isinstance(options.get("cuda_graphs", False), bool):
+            raise TypeError(f"fxlora option 'cuda_graphs' must be True or False, got {options['cuda_graphs']!r}")
+        targets = options.get("target_modules")
+        if targets is not None and not isinstance(targets, str) and not (
+            isinstance(targets, (list, tuple, set)) and all(isinstance(t, str) for t in targets)
+        ):
+            raise TypeError(f"fxlora option 'target_modules' must be a name pattern or a list of names, got {targets!r}")
         adapters = options.get("adapters") or {}
         if not isinstance(adapters, Mapping):
             kind = type(adapters).__name__
@@ -87,7 +94,7 @@ class Backend:
             target_modules=options.get("target_modules"),
             max_cpu_loras=options.get("max_cpu_loras"),
         )
-        backend = cls(pool, cuda_graphs=bool(options.get("cuda_graphs", False)), inner=options.get("inner"))
+        backend = cls(pool, cuda_graphs=options.get("cuda_graphs", False), inner=options.get("inner"))
         for name, source in adapters.items():
             backend.load(name, source)
         return backend
