@@ -259,14 +259,14 @@ class AdapterPool:
                 f"model's {info.kind} ({fin} -> {fout}), which needs {want_a} and {want_b}"
             )
         base = adapter.base_weights.get(fqn)
-        if base is not None and info.weight is not None and is_traceable_wrapper_subclass(sharding.local_tensor(info.weight)):
-            raise AdapterError(  # a quantised weight (torchao's) cannot be told equal to a plain one
-                f"{where}: the adapter carries base weights {tuple(base.shape)} for it, and the model holds it quantised "
-                f"({type(sharding.local_tensor(info.weight)).__name__}), which they cannot be compared with: save the "
-                "adapter without them (PEFT's save_embedding_layers=False)"
-            )
         if base is not None and info.weight is not None:
             mine = sharding.local_tensor(info.weight)
+            if is_traceable_wrapper_subclass(mine):  # a quantised weight (torchao's) cannot be told equal to a plain one
+                raise AdapterError(
+                    f"{where}: the adapter carries base weights {tuple(base.shape)} for it, and the model holds it quantised "
+                    f"({type(mine).__name__}), which they cannot be compared with: save the adapter without them (PEFT's "
+                    "save_embedding_layers=False)"
+                )
             if base.shape == info.weight.shape and info.shard is not None:
                 base = info.shard.local(base)
             elif base.shape == info.weight.shape and sharding.is_distributed(info.weight):  # an embedding split as traced
