@@ -116,6 +116,7 @@ class CompiledModel(torch.nn.Module):
         backward): every call runs without autograd, whatever the caller's grad mode, so a
         call in another mode (a new thread's is on) runs the graphs already compiled."""
         check_adapter_keywords(kwargs, self._forward_keywords, SPELLING)
+        self._refuse_while_serving_sharded("a call of the model")
         names = check_names(adapter_names)
         # Views of a larger tensor would make Dynamo guard on their base and offset and
         # retrace for each new slicing; a private copy of such small inputs avoids that.
@@ -195,7 +196,7 @@ class CompiledModel(torch.nn.Module):
                     per_input[key] = settings.pop(key)
             elif isinstance(value, (list, tuple)):
                 per_input[key] = settings.pop(key)
-        manager = self._manager if self._manager is not None and self._manager.is_running() else None
+        manager = self._manager if self._manager is not None and self._manager.serving else None
         requests = self._requests({}, generation_config, remember_settings=True)
         return generate_batch(requests, inputs, adapter_names, per_input, settings, progress_bar, manager)
 
@@ -238,6 +239,7 @@ class CompiledModel(torch.nn.Module):
         Sampling draws from ``generator``; ``streamer`` (transformers' ``BaseStreamer``) gets
         the tokens step by step."""
         check_adapter_keywords(kwargs, (), SPELLING)
+        self._refuse_while_serving_sharded("generate")
         if "stop_strings" in kwargs or "tokenizer" in kwargs:
             raise TypeError(
                 "stop_strings / tokenizer are not supported by fxlora's generate (it stops on token ids): pass the "
@@ -276,18 +278,18 @@ class CompiledModel(torch.nn.Module):
 
     def unload_adapter(self, name: str) -> None:
         """Remove an adapter from its slot (after the calls reading it return)."""
-        if self._group is not None:
-            self._refuse_while_serving_sharded("unload_adapter")
+        self._refuse_while_serving_sharded("unload_adapter")
         self.pool.unload(name)
 
     def _refuse_while_serving_sharded(self, call: str) -> None:
-        """Under tensor parallelism the ranks' loops admit rank 0's requests turn by turn and a
-        load's agreement is a collective of its own: with a loop serving, they would not meet in
-        one order (a hang, or ranks holding other adapters)."""
-        if self._manager is not None and self._manager.is_running():
+        """Under tensor parallelism the ranks' loops admit rank 0's requests turn by turn, and a
+        load's agreement, a call's and a ``generate``'s steps are collectives of their own: with a
+        loop serving, the ranks would not meet in one order (a hang, or ranks holding other
+        adapters). ``generate_batch`` goes through the loop instead."""
+        if self._group is not None and self._manager is not None and self._manager.serving:
             raise RuntimeError(
                 f"{call} while cm.serve() runs under tensor parallelism: every rank's loop would admit requests "
-                "against other adapters, or wait in another collective; stop the loop (manager.stop()) first"
+                "against other adapters, or wait in another collective; stop the loop (manager.stop()) first, or send requests through it"
             )
 
     def delete_adapter(self, adapter_names: str | Sequence[str]) -> None:

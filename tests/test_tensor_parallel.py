@@ -193,7 +193,10 @@ def check_the_stream_follows_rank_0_and_matches_one_process(case):
         rows = [[t for t in row.tolist() if t >= 0] for row in expected["stream"]]
         assert report["served"] == rows  # every rank's loop served the requests rank 0 added
         assert torch.equal(out["stream_served"], expected["stream"])  # generate_batch through them, on every rank
+        # refused on every rank alike, rank 1 asking after rank 0's stop ended its loop too
         assert "load_adapter while cm.serve() runs under tensor parallelism" in report["load_while_serving"]
+        assert "a call of the model while cm.serve() runs" in report["call_while_serving"]
+        assert "generate while cm.serve() runs" in report["generate_while_serving"]
     assert ranks[0][1]["served_ids"] == [f"s{i}" for i in range(5)] and ranks[1][1]["served_ids"] == [None] * 5
 
 

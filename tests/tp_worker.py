@@ -20,6 +20,7 @@ import inspect
 import json
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -104,11 +105,19 @@ def main(directory: str, results: str) -> None:
             report["served_ids"] = ids
             report["served"] = [manager.get_result(f"s{i}", timeout=120).generated_tokens for i in range(len(ids))]
             out["stream_served"] = stream_tokens(cm, script["stream"])  # generate_batch through the running loops
-            try:
-                cm.load_adapter(f"{directory}/c", adapter_name="e2")
-                report["load_while_serving"] = "loaded"
-            except RuntimeError as e:
-                report["load_while_serving"] = str(e)
+            if rank == 1:  # rank 0 leaves its block and stops every loop; this rank is still inside its own
+                while manager.is_running():
+                    time.sleep(0.01)
+            for key, call in (
+                ("load_while_serving", lambda: cm.load_adapter(f"{directory}/c", adapter_name="e2")),
+                ("call_while_serving", lambda: cm(input_ids=inputs["ids"], adapter_names=script["first"])),
+                ("generate_while_serving", lambda: cm.generate(inputs["ids"], adapter_names=script["generate"], max_new_tokens=2)),
+            ):
+                try:
+                    call()
+                    report[key] = "ran"
+                except RuntimeError as e:
+                    report[key] = str(e)
     # an adapter on the embedding, which the plan splits over its vocabulary (transformers 5.2x)
     if script["embedding"]:
         embedding = model.get_input_embeddings().weight

@@ -366,6 +366,16 @@ class ServingManager:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def serving(self) -> bool:
+        """Whether this process's calls go through the loop: it runs, or, on a rank after the
+        first of a tensor-parallel model, this rank has not stopped it yet. Rank 0's stop ends
+        every rank's loop while the others' code may still be inside ``with cm.serve()``; a
+        decision by their threads' state alone would then differ from rank 0's."""
+        if self.is_running():
+            return True
+        return not self.is_driver and self._thread is not None and not self._stop.is_set()
+
     def stop(
         self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False, hard_stop: bool = False
     ) -> None:
