@@ -155,7 +155,7 @@ def test_backend_entry_point_in_a_fresh_process(tmp_path):
         from fxlora import use_adapters
         with torch.no_grad(), use_adapters(["a", None]):
             out = compiled(input_ids=ids).logits
-            ref = reference_logits(model, peft_model_with(model, adapters), ["a", None], input_ids=ids)
+        ref = reference_logits(model, peft_model_with(model, adapters), ["a", None], input_ids=ids)
         assert max(row_errors(out, ref)) < 1e-5, row_errors(out, ref)
         print("ok")
         """

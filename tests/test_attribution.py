@@ -184,3 +184,27 @@ def test_modules_named_from_another_frame_than_the_models_are_refused_for_adapte
         with fxlora.use_adapters(["a", None]):
             inner(input_ids=ids)
     torch._dynamo.reset()
+
+
+def test_a_targeted_module_dynamo_skips_raises_under_torch_compile(monkeypatch):
+    """A targeted module whose code Dynamo does not compile (``torch.compiler.disable``) runs
+    without its LoRA: rows whose adapter changes it raise, naming it, under ``torch.compile``
+    as under ``fxlora.compile``; rows of adapters that leave it alone, and base rows, run."""
+    model = tiny_model("llama", seed=3)
+    adapters = {
+        "a": make_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), 1, ""),
+        "b": make_adapter(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]), 2, ""),
+    }
+    peft_model = peft_model_with(model, adapters)
+    monkeypatch.setattr(model.lm_head, "forward", torch.compiler.disable(model.lm_head.forward))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxlora", options={"adapters": adapters, "max_rank": 8})
+    ids = torch.randint(3, 96, (3, 5))
+    with pytest.raises(fxlora.LoraNotRunError, match=r"'lm_head'.*ran outside the compiled graphs"):
+        with fxlora.use_adapters(["a", None, "b"]):
+            compiled(input_ids=ids)
+    for names in (["b", None, "b"], [None, None, None]):
+        with fxlora.use_adapters(names):
+            out = compiled(input_ids=ids).logits
+        check_rows(out, reference_logits(model, peft_model, names, input_ids=ids), names)
+    torch._dynamo.reset()

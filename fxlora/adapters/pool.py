@@ -444,8 +444,9 @@ class AdapterPool:
     def acquire(
         self, adapter_names: Sequence[str | None], stream: torch.cuda.Stream | None = None, timeout: float | None = 60.0
     ) -> tuple[list[int], set[str]]:
-        """Per-row slot ids for a call, pinned until :meth:`release`, and the target modules
-        the named adapters change (for the call's coverage check). An adapter without a slot is
+        """Per-row slot ids for a call, pinned until :meth:`release`, and the modules the named
+        adapters change (for the call's coverage check; under ``torch.compile`` some may be
+        modules no graph brought in yet). An adapter without a slot is
         paged in: into an empty slot, else the least recently used one no call reads; its copy
         runs on ``stream`` when given (the caller waits for that stream before reading it), else
         in order on the current one. When every slot is read by calls in flight, waits up to
@@ -478,7 +479,7 @@ class AdapterPool:
                         self._place(name, self._free_slot(), stream)
                     slot = pinned[name] = self.slot_of[name]
                     self._pins[slot] += 1
-                    modules |= self.modules_of([name])
+                    modules |= self.adapters[name].modules.keys()
                     self._clock += 1
                     self._used[slot] = self._clock
             except BaseException:
@@ -613,10 +614,6 @@ class AdapterPool:
         fqns = set(fqns)
         users = sorted(name for name, a in self.adapters.items() if a.modules.keys() & fqns)
         return f"adapter(s) {users}" if users else "target_modules"
-
-    def modules_of(self, adapter_names: Iterable[str]) -> set[str]:
-        """The target modules these loaded adapters change."""
-        return set().union(*(self.adapters[n].modules.keys() & self.targets.keys() for n in adapter_names))
 
     @property
     def nbytes(self) -> int:

@@ -38,7 +38,7 @@ from fxlora.runtime import peft_methods
 from fxlora.runtime.cuda_graphs import GraphSet
 from fxlora.runtime.explain import GraphRecord
 from fxlora.runtime.instances import Instances
-from fxlora.runtime.routing import Router, check_adapter_keywords, compiling, current_selection
+from fxlora.runtime.routing import Router, check_adapter_keywords, compiling, current_selection, watch_calls
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ class Backend:
         self.notes: list[str] = []  # about the model as a whole, for explain()
         self.options: Mapping[str, Any] | None = None  # the torch.compile options it was made from
         self._breaks_before = dict(torch._dynamo.utils.counters["graph_break"])
+        # under torch.compile: the models whose frames it compiled, and the modules hooked in each
+        self._watched: weakref.WeakKeyDictionary[torch.nn.Module, set[str]] = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Backend:
@@ -102,6 +104,37 @@ class Backend:
     def load(self, name: str, source: Any) -> None:
         """Read an adapter and load it into a free slot of the pool."""
         self.pool.load(read_adapter(name, source))
+        for model in list(self._watched):
+            self._hook(model)
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Under ``torch.compile``: hook the modules of ``model``, whose frame Dynamo compiles,
+        that the adapters change, so that a call of one outside the graphs (code Dynamo skipped:
+        ``torch.compiler.disable``, a frame it gave up on) is seen and adapter rows raise. A
+        model's first frame is its own; a later frame of one of its submodules (after a graph
+        break) adds nothing. ``fxlora.compile`` hooks its model itself."""
+        if self.modules is not None or model in self._watched:
+            return
+        if any(model is m for root in list(self._watched) for m in root.modules()):
+            return
+        self._watched[model] = set()
+        self._hook(model)
+
+    def _hook(self, model: torch.nn.Module) -> None:
+        hooked = self._watched[model]
+        owners = {}
+        for fqn in {fqn for adapter in list(self.pool.adapters.values()) for fqn in adapter.modules} - hooked:
+            hooked.add(fqn)
+            parent, _, leaf = fqn.rpartition(".")
+            for owner in (fqn, parent):  # a module, or the module of a targeted parameter
+                try:
+                    module = model.get_submodule(owner)
+                except AttributeError:
+                    continue
+                if owner == fqn or isinstance(getattr(module, leaf, None), torch.nn.Parameter):
+                    owners[fqn] = owner
+                break
+        watch_calls(model, owners)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Router:
         inner = resolve_inner(self.inner, _first_device(example_inputs))
@@ -244,6 +277,7 @@ def fxlora_backend(
         check_adapter_keywords(keywords, _parameters(model), TORCH_COMPILE_SPELLING)
         if model is not None:
             peft_methods.guard(model, backend.load, backend.pool.unload)
+            backend.watch(model)
         return backend(gm, example_inputs)
     except (AdapterError, TypeError) as e:  # an adapter that does not fit a module this graph brought in, or a bad call
         return _raising(e)

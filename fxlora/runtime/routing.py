@@ -17,6 +17,7 @@ import contextvars
 import logging
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,12 +103,17 @@ class Selection:
         if eager := needed & self.eager:
             breaks = self.graph_breaks()
             why = f"; Dynamo's graph breaks: {'; '.join(breaks[:3])}" if breaks else ""
-            raise _not_run(eager, f"it ran outside the compiled graphs (a graph break, a frame Dynamo skipped{why})")
+            raise _not_run(
+                eager,
+                "it ran outside the compiled graphs (a graph break, code Dynamo skipped such as torch.compiler.disable, "
+                f"or the model itself called where its compiled version was meant{why})",
+            )
         if left := sorted(needed & self.left_traced.keys()):
             raise _not_run(
                 left, f"fxlora left that module as traced, because {self.left_traced[left[0]]}", self._users(left[0], pool)
             )
-        if not self.watched and (missing := needed - self.modules):
+        targets = needed if pool is None else needed & pool.targets.keys()  # (modules no graph brought in: not known to run)
+        if not self.watched and (missing := targets - self.modules):
             raise _not_run(missing, "that code ran outside the compiled graphs (a graph break, or Dynamo's recompile limit was hit)")
 
     def _users(self, fqn: str, pool: AdapterPool | None) -> list[str]:
@@ -235,7 +241,11 @@ def watch_calls(model: torch.nn.Module, targets: dict[str, str]) -> list[Removab
     fqns: dict[str, list[str]] = {}
     for target, module in targets.items():
         fqns.setdefault(module, []).append(target)
-    return [model.get_submodule(m).register_forward_pre_hook(_eager_call_hook(tuple(t))) for m, t in fqns.items()]
+    handles = []
+    for m, t in fqns.items():
+        module = model.get_submodule(m)
+        handles.append(module.register_forward_pre_hook(_eager_call_hook(tuple(t), weakref.ref(module))))
+    return handles
 
 
 _compiling: contextvars.ContextVar[bool] = contextvars.ContextVar("fxlora_compiling", default=False)
@@ -252,9 +262,10 @@ def compiling() -> Iterator[None]:
         _compiling.reset(token)
 
 
-def _eager_call_hook(targets: tuple[str, ...]) -> Callable[..., None]:
+def _eager_call_hook(targets: tuple[str, ...], owner: Callable[[], torch.nn.Module | None]) -> Callable[..., None]:
     def hook(module: torch.nn.Module, args: tuple) -> None:
-        if not torch.compiler.is_compiling() and not _compiling.get():
+        # (a copy of the model, copy.deepcopy's, holds the hook too: its calls are its own)
+        if not torch.compiler.is_compiling() and not _compiling.get() and module is owner():
             selection = _selection.get()
             if selection is not None:
                 selection.eager.update(targets)
@@ -264,7 +275,7 @@ def _eager_call_hook(targets: tuple[str, ...]) -> Callable[..., None]:
 
 # Run eagerly, the hook would otherwise become a frame Dynamo compiles (where it is_compiling);
 # traced inline, in a graph, it stays what it is.
-torch._dynamo.eval_frame.skip_code(_eager_call_hook(()).__code__)
+torch._dynamo.eval_frame.skip_code(_eager_call_hook((), lambda: None).__code__)
 
 
 __all__ = ["NO_ADAPTER", "Router", "Selection", "current_selection", "use_adapters", "use_slots", "watch_calls"]
