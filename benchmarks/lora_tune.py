@@ -1,6 +1,6 @@
 """Sweep the LoRA kernels' launch parameters on a few shape classes and print the best.
 
-    python benchmarks/lora_tune.py [sgmv] [bgmv] [switch] [in_context] [expand_in_context] [segmented_expand_in_context]
+    python benchmarks/lora_tune.py [sgmv] [bgmv] [switch] [in_context] [in_context_8b] [expand_in_context] [segmented_expand_in_context]
                                    [delta_beside] [experts]
 
 Times each kernel alone inside a CUDA graph (median, microseconds), so the entries of the
@@ -149,16 +149,17 @@ def in_context() -> None:
         in_context_case(tokens, rank, adapters, widths)
 
 
-def _op_parts(tokens, adapters, rank, widths=(4096,)):
-    x, _, a, b, scaling, ranks, (slot, order, start, length, seg_slot), _ = case(tokens, 4096, widths, rank, adapters)
-    w = torch.randn(sum(widths), 4096, device="cuda").bfloat16()
+def _op_parts(tokens, adapters, rank, widths=(4096,), k=4096):
+    x, _, a, b, scaling, ranks, (slot, order, start, length, seg_slot), _ = case(tokens, k, widths, rank, adapters)
+    w = torch.randn(sum(widths), k, device="cuda").bfloat16()
     ws = torch.empty(tokens, len(widths) * rank, device="cuda")
     side = torch.cuda.Stream()
 
-    def op(shrink, expand, x=x, w=w):  # the stream order of lora_linear_triton
+    def op(shrink, expand, x=x, w=w, split=None):  # the stream order of lora_linear_triton
+        """``split``: the slices' widths, for one GEMM a slice (the base's outputs a list)."""
         main, inputs_ready = torch.cuda.current_stream(), torch.cuda.Event()
         inputs_ready.record(main)
-        y = torch.nn.functional.linear(x, w)
+        y = torch.nn.functional.linear(x, w) if split is None else [torch.nn.functional.linear(x, p) for p in w.split(split)]
         side.wait_event(inputs_ready)
         with torch.cuda.stream(side):
             shrink()
@@ -168,11 +169,23 @@ def _op_parts(tokens, adapters, rank, widths=(4096,)):
     return x, w, a, b, scaling, ranks, (slot, order, start, length, seg_slot), ws, op
 
 
-def in_context_case(tokens, rank, adapters, widths) -> None:
-    x, w, a, b, scaling, ranks, (slot, order, start, length, seg_slot), ws, op = _op_parts(tokens, adapters, rank, widths)
+def in_context_8b() -> None:
+    """``in_context`` at the 8B model's batch-32 linears (qkv, o, gate/up, down; 16 adapters of
+    rank 16), over a narrower grid: at most 2 warps, 2 stages and 32 rank rows a program."""
+    for widths, k in [((4096, 1024, 1024), 4096), ((4096,), 4096), ((14336, 14336), 4096), ((4096,), 14336)]:
+        in_context_case(32, 16, 16, widths, k, one_gemm=False, warps=(1, 2), stages=(1, 2), rank_rows=(16, 32), rows_last=True)
+
+
+def in_context_case(
+    tokens, rank, adapters, widths, k=4096, one_gemm=True, warps=(1, 2, 4), stages=(1, 2, 3), rank_rows=(16, 32, 64), rows_last=False
+) -> None:
+    """``one_gemm``: the base one GEMM for all slices (else one a slice, as the model's separate
+    projections run)."""
+    x, w, a, b, scaling, ranks, (slot, order, start, length, seg_slot), ws, op = _op_parts(tokens, adapters, rank, widths, k)
     slices = len(widths)
     copies = [(x.clone(), w.clone(), a.clone()) for _ in range(-(-(200 << 20) // w.nbytes))]
     sliced = widths if slices > 1 else None
+    split = None if one_gemm or slices == 1 else widths
     if bgmv.serves(tokens, rank, x.device):
         expand = lambda y: bgmv.lora_expand(y, ws, b, scaling, ranks, slot, sliced)  # noqa: E731
     else:
@@ -182,21 +195,21 @@ def in_context_case(tokens, rank, adapters, widths) -> None:
         def run():
             for cx, cw, ca in copies:
                 shrink = lambda: sgmv.lora_shrink(cx, ca, ranks, order, start, length, seg_slot, slices, cfg, out=ws)  # noqa: E731,B023
-                op(shrink, expand, cx, cw)
+                op(shrink, expand, cx, cw, split)
 
         return run
 
     runs = [
         (cfg, cold(cfg))
         # split 1 stores its sums: no zeroed workspace, whose fill the other splits' times include
-        for split, bk, warps, stages, br in itertools.product((1, 2, 4, 8, 16, 32), (128, 256), (1, 2, 4), (1, 2, 3), (16, 32, 64))
-        if split * bk <= 4096 and br <= max(16, triton.next_power_of_2(slices * rank))  # rank rows per program
-        for cfg in [sgmv.ShrinkConfig(16, bk, split, warps, block_r=br, num_stages=stages)]
+        for split_k, bk, warps, stages, br in itertools.product((1, 2, 4, 8, 16, 32), (128, 256), warps, stages, rank_rows)
+        if split_k * bk <= k and br <= max(16, triton.next_power_of_2(slices * rank))  # rank rows per program
+        for cfg in [sgmv.ShrinkConfig(16, bk, split_k, warps, block_r=br, num_stages=stages, rows_last=rows_last)]
     ]
     base = us(lambda: [torch.nn.functional.linear(cx, cw) for cx, cw, _ in copies]) / len(copies)
-    table = sgmv.shrink_config(tokens, 4096, slices * rank, slices, x.device)  # one GEMM for all slices
+    table = sgmv.shrink_config(tokens, k, slices * rank, slices if one_gemm else 1, x.device)
     print(
-        f"T={tokens} r={rank} adapters={adapters} widths={widths} base {base:.1f}us (per op, weights from HBM), "
+        f"T={tokens} r={rank} adapters={adapters} widths={widths} K={k} base {base:.1f}us (per op, weights from HBM), "
         f"table's choice {us(cold(table)) / len(copies):.1f}us {table}"
     )
     best("shrink in context", runs, per=len(copies))
@@ -384,7 +397,7 @@ def switch_case(tokens, adapters, rank) -> None:
 if __name__ == "__main__":
     tunes = {
         "sgmv": tune_sgmv, "bgmv": tune_bgmv, "switch": switch, "in_context": in_context,
-        "expand_in_context": expand_in_context, "segmented_expand_in_context": segmented_expand_in_context,
+        "in_context_8b": in_context_8b, "expand_in_context": expand_in_context, "segmented_expand_in_context": segmented_expand_in_context,
         "delta_beside": delta_beside, "experts": experts,
     }  # fmt: skip
     for part in sys.argv[1:] or ["sgmv", "bgmv", "switch"]:

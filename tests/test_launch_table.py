@@ -1,7 +1,7 @@
 """The launch table gives the SGMV and BGMV launchers, for every shape, the parameters of the
 rules it replaced. The expected values below are those rules' outputs over a grid of shapes
-around every bound they had, recorded once; the table must keep to them on ``sm90`` (and, having
-no other tuned entry yet, on ``default``)."""
+around every bound they had, recorded once, and those of the classes tuned since; the table must
+keep to them on ``sm90`` (and, having no other tuned entry yet, on ``default``)."""
 
 import dataclasses
 
@@ -19,107 +19,117 @@ SHRINK_KINDS = {  # block_m, block_k, num_warps, block_r, num_stages, rows_last
     "d": (16, 128, 2, 64, 3, False),
     "e": (64, 64, 4, 64, 3, False),
     "f": (64, 64, 8, 256, 3, False),
+    "g": (16, 256, 1, 16, 2, True),
+    "h": (16, 256, 2, 16, 1, True),
 }
-SHRINK_KS = (32, 1024, 4096, 8192)
+SHRINK_KS = (32, 1024, 4096, 8191, 8192)
 # ranks: every slice's rank rows; slices: the output slices of the GEMM beside the shrink
 SHRINK = """
-tokens ranks slices kind split_k at k = 32 1024 4096 8192
-     1    16      1   a   1  4 16 16
-     1    16      3   a   1  4 16 16
-     1    64      1   a   1  4 16 16
-     1    64      3   a   1  4 16 16
-     1    65      1   a   1  4 16 16
-     1    65      3   a   1  4 16 16
-     1   256      1   a   1  4 16 16
-     1   256      3   a   1  4 16 16
-     8    16      1   a   1  4 16 16
-     8    16      3   a   1  4 16 16
-     8    64      1   a   1  4 16 16
-     8    64      3   a   1  4 16 16
-     8    65      1   a   1  4 16 16
-     8    65      3   a   1  4 16 16
-     8   256      1   a   1  4 16 16
-     8   256      3   a   1  4 16 16
-     9    16      1   b   1  8 16 16
-     9    16      3   c   1  8 32 32
-     9    64      1   b   1  8 16 16
-     9    64      3   c   1  8 32 32
-     9    65      1   b   1  8 16 16
-     9    65      3   b   1  8 16 16
-     9   256      1   b   1  8 16 16
-     9   256      3   b   1  8 16 16
-    32    16      1   b   1  8 16 16
-    32    16      3   c   1  8 32 32
-    32    64      1   b   1  8 16 16
-    32    64      3   c   1  8 32 32
-    32    65      1   b   1  8 16 16
-    32    65      3   b   1  8 16 16
-    32   256      1   b   1  8 16 16
-    32   256      3   b   1  8 16 16
-    33    16      1   b   1  8 16 16
-    33    16      3   a   1  4 16 16
-    33    64      1   b   1  8 16 16
-    33    64      3   a   1  4 16 16
-    33    65      1   b   1  8 16 16
-    33    65      3   a   1  4 16 16
-    33   256      1   b   1  8 16 16
-    33   256      3   a   1  4 16 16
-    48    16      1   b   1  8 16 16
-    48    16      3   a   1  4 16 16
-    48    64      1   b   1  8 16 16
-    48    64      3   a   1  4 16 16
-    48    65      1   b   1  8 16 16
-    48    65      3   a   1  4 16 16
-    48   256      1   b   1  8 16 16
-    48   256      3   a   1  4 16 16
-    64    16      1   b   1  8 16 16
-    64    16      3   a   1  4 16 16
-    64    64      1   b   1  8 16 16
-    64    64      3   a   1  4 16 16
-    64    65      1   b   1  8 16 16
-    64    65      3   a   1  4 16 16
-    64   256      1   b   1  8 16 16
-    64   256      3   a   1  4 16 16
-    65    16      1   d   1  8  8  8
-    65    16      3   c   1  8 32 32
-    65    64      1   d   1  8  8  8
-    65    64      3   c   1  8 32 32
-    65    65      1   d   1  8  8  8
-    65    65      3   d   1  8  8  8
-    65   256      1   d   1  8  8  8
-    65   256      3   d   1  8  8  8
-   128    16      1   d   1  8  8  8
-   128    16      3   c   1  8 32 32
-   128    64      1   d   1  8  8  8
-   128    64      3   c   1  8 32 32
-   128    65      1   d   1  8  8  8
-   128    65      3   d   1  8  8  8
-   128   256      1   d   1  8  8  8
-   128   256      3   d   1  8  8  8
-   512    16      1   d   1  8  8  8
-   512    16      3   c   1  8 32 32
-   512    64      1   d   1  8  8  8
-   512    64      3   c   1  8 32 32
-   512    65      1   d   1  8  8  8
-   512    65      3   d   1  8  8  8
-   512   256      1   d   1  8  8  8
-   512   256      3   d   1  8  8  8
-   513    16      1   e   1  8  8  8
-   513    16      3   e   1  8  8  8
-   513    64      1   e   1  8  8  8
-   513    64      3   e   1  8  8  8
-   513    65      1   f   1  4  4  4
-   513    65      3   f   1  4  4  4
-   513   256      1   f   1  4  4  4
-   513   256      3   f   1  4  4  4
-  4096    16      1   e   1  8  8  8
-  4096    16      3   e   1  8  8  8
-  4096    64      1   e   1  8  8  8
-  4096    64      3   e   1  8  8  8
-  4096    65      1   f   1  4  4  4
-  4096    65      3   f   1  4  4  4
-  4096   256      1   f   1  4  4  4
-  4096   256      3   f   1  4  4  4
+tokens ranks slices kind and split_k at k = 32 1024 4096 8191 8192
+     1    16      1     a1   a4  a16  a16  a16
+     1    16      3     a1   a4  a16  a16  a16
+     1    64      1     a1   a4  a16  a16  a16
+     1    64      3     a1   a4  a16  a16  a16
+     1    65      1     a1   a4  a16  a16  a16
+     1    65      3     a1   a4  a16  a16  a16
+     1   256      1     a1   a4  a16  a16  a16
+     1   256      3     a1   a4  a16  a16  a16
+     8    16      1     a1   a4  a16  a16  a16
+     8    16      3     a1   a4  a16  a16  a16
+     8    64      1     a1   a4  a16  a16  a16
+     8    64      3     a1   a4  a16  a16  a16
+     8    65      1     a1   a4  a16  a16  a16
+     8    65      3     a1   a4  a16  a16  a16
+     8   256      1     a1   a4  a16  a16  a16
+     8   256      3     a1   a4  a16  a16  a16
+     9    16      1     h1   h4   h8   h8  g32
+     9    16      3     c1   c8  c32  c32  c32
+     9    48      1     h1   h4   h8   h8  g32
+     9    48      3     c1   c8  c32  c32  c32
+     9    49      1     b1   b8  b16  b16  b16
+     9    49      3     c1   c8  c32  c32  c32
+     9    64      1     b1   b8  b16  b16  b16
+     9    64      3     c1   c8  c32  c32  c32
+     9    65      1     b1   b8  b16  b16  b16
+     9    65      3     b1   b8  b16  b16  b16
+     9   256      1     b1   b8  b16  b16  b16
+     9   256      3     b1   b8  b16  b16  b16
+    32    16      1     h1   h4   h8   h8  g32
+    32    16      3     c1   c8  c32  c32  c32
+    32    64      1     b1   b8  b16  b16  b16
+    32    64      3     c1   c8  c32  c32  c32
+    32    65      1     b1   b8  b16  b16  b16
+    32    65      3     b1   b8  b16  b16  b16
+    32   256      1     b1   b8  b16  b16  b16
+    32   256      3     b1   b8  b16  b16  b16
+    33    16      1     h1   h4   h8   h8  g32
+    33    16      3     a1   a4  a16  a16  a16
+    33    64      1     b1   b8  b16  b16  b16
+    33    64      3     a1   a4  a16  a16  a16
+    33    65      1     b1   b8  b16  b16  b16
+    33    65      3     a1   a4  a16  a16  a16
+    33   256      1     b1   b8  b16  b16  b16
+    33   256      3     a1   a4  a16  a16  a16
+    48    16      1     h1   h4   h8   h8  g32
+    48    16      3     a1   a4  a16  a16  a16
+    48    64      1     b1   b8  b16  b16  b16
+    48    64      3     a1   a4  a16  a16  a16
+    48    65      1     b1   b8  b16  b16  b16
+    48    65      3     a1   a4  a16  a16  a16
+    48   256      1     b1   b8  b16  b16  b16
+    48   256      3     a1   a4  a16  a16  a16
+    64    16      1     h1   h4   h8   h8  g32
+    64    16      3     a1   a4  a16  a16  a16
+    64    48      1     h1   h4   h8   h8  g32
+    64    48      3     a1   a4  a16  a16  a16
+    64    49      1     b1   b8  b16  b16  b16
+    64    49      3     a1   a4  a16  a16  a16
+    64    64      1     b1   b8  b16  b16  b16
+    64    64      3     a1   a4  a16  a16  a16
+    64    65      1     b1   b8  b16  b16  b16
+    64    65      3     a1   a4  a16  a16  a16
+    64   256      1     b1   b8  b16  b16  b16
+    64   256      3     a1   a4  a16  a16  a16
+    65    16      1     d1   d8   d8   d8   d8
+    65    16      3     c1   c8  c32  c32  c32
+    65    64      1     d1   d8   d8   d8   d8
+    65    64      3     c1   c8  c32  c32  c32
+    65    65      1     d1   d8   d8   d8   d8
+    65    65      3     d1   d8   d8   d8   d8
+    65   256      1     d1   d8   d8   d8   d8
+    65   256      3     d1   d8   d8   d8   d8
+   128    16      1     d1   d8   d8   d8   d8
+   128    16      3     c1   c8  c32  c32  c32
+   128    64      1     d1   d8   d8   d8   d8
+   128    64      3     c1   c8  c32  c32  c32
+   128    65      1     d1   d8   d8   d8   d8
+   128    65      3     d1   d8   d8   d8   d8
+   128   256      1     d1   d8   d8   d8   d8
+   128   256      3     d1   d8   d8   d8   d8
+   512    16      1     d1   d8   d8   d8   d8
+   512    16      3     c1   c8  c32  c32  c32
+   512    64      1     d1   d8   d8   d8   d8
+   512    64      3     c1   c8  c32  c32  c32
+   512    65      1     d1   d8   d8   d8   d8
+   512    65      3     d1   d8   d8   d8   d8
+   512   256      1     d1   d8   d8   d8   d8
+   512   256      3     d1   d8   d8   d8   d8
+   513    16      1     e1   e8   e8   e8   e8
+   513    16      3     e1   e8   e8   e8   e8
+   513    64      1     e1   e8   e8   e8   e8
+   513    64      3     e1   e8   e8   e8   e8
+   513    65      1     f1   f4   f4   f4   f4
+   513    65      3     f1   f4   f4   f4   f4
+   513   256      1     f1   f4   f4   f4   f4
+   513   256      3     f1   f4   f4   f4   f4
+  4096    16      1     e1   e8   e8   e8   e8
+  4096    16      3     e1   e8   e8   e8   e8
+  4096    64      1     e1   e8   e8   e8   e8
+  4096    64      3     e1   e8   e8   e8   e8
+  4096    65      1     f1   f4   f4   f4   f4
+  4096    65      3     f1   f4   f4   f4   f4
+  4096   256      1     f1   f4   f4   f4   f4
+  4096   256      3     f1   f4   f4   f4   f4
 """
 
 EXPAND_KINDS = {  # block_m, block_n, num_warps, tiles, stages, rows_last
@@ -189,8 +199,8 @@ def device_table(request, monkeypatch):
 
 
 def test_shrink_configs(device_table):
-    for tokens, ranks, slices, kind, *splits in _rows(SHRINK):
-        for k, split in zip(SHRINK_KS, splits, strict=True):
+    for tokens, ranks, slices, *cells in _rows(SHRINK):
+        for k, (kind, split) in zip(SHRINK_KS, [(cell[0], cell[1:]) for cell in cells], strict=True):
             config = launch_table.shrink_config(int(tokens), k, int(ranks), int(slices))
             block_m, block_k, num_warps, block_r, num_stages, rows_last = SHRINK_KINDS[kind]
             expected = launch_table.ShrinkConfig(

@@ -78,6 +78,7 @@ class When:
     max_tokens_per_segment: int | None = None  # tokens <= this × segments
     max_tokens_x_ranks: int | None = None
     min_columns: int = 0
+    min_k: int = 0
 
     def holds(self, s: Shape) -> bool:
         return (
@@ -90,6 +91,7 @@ class When:
             and (self.max_tokens_per_segment is None or s.tokens <= self.max_tokens_per_segment * s.segments)
             and (self.max_tokens_x_ranks is None or s.tokens * s.ranks <= self.max_tokens_x_ranks)
             and self.min_columns <= s.columns
+            and self.min_k <= s.k
         )
 
 
@@ -120,6 +122,15 @@ SM90 = LaunchTable(
             When(max_tokens=512, max_ranks=64, min_slices=2),
             ShrinkConfig(16, 128, 32, 1, block_r=16, num_stages=1, rows_last=True),
         ),
+        # Other decode sizes up to 48 rank rows (rank 16 over up to three slices), 16 rank rows a
+        # program: over K >= 8192 (a down_proj) a 32-way split of 256-wide steps, else an 8-way
+        # split, two warps. Inside the whole op at 32 tokens over 16 adapters, weights from HBM
+        # (`lora_tune.py in_context_8b`, H200): 39.5 against 44.5 us (down, K = 14,336) and 31.4
+        # against 33.7 (q, k, v: three GEMMs, one shrink); o and gate/up level. The 8B's decode
+        # step at batch 32: 6,782 to 6,589 us (lora / nolora 1.121 to 1.089); the 1B's and the
+        # MoE model's level.
+        (When(max_tokens=64, max_ranks=48, min_k=8192), ShrinkConfig(16, 256, 32, 1, block_r=16, num_stages=2, rows_last=True)),
+        (When(max_tokens=64, max_ranks=48), ShrinkConfig(16, 256, 8, 2, block_r=16, num_stages=1, rows_last=True)),
         # Other decode sizes: one warp, a 16-way split (two pipelined 128-wide steps each at K = 4096).
         (When(max_tokens=64), ShrinkConfig(16, 128, 16, 1, block_r=32, num_stages=2, rows_last=True)),
         # Mid sizes: enough row blocks that an 8-way split of the reduction gives enough programs.
