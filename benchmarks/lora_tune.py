@@ -7,7 +7,8 @@ Times each kernel alone inside a CUDA graph (median, microseconds), so the entri
 launch table (``fxlora/kernels/launch_table.py``) for this device can be chosen from
 measurements. ``switch`` times the whole op as ``lora_linear`` runs it on CUDA with
 either family's expand, to place the token count where one hands over to the other;
-``in_context`` the shrink's parameters inside that op, where it shares SMs with the GEMM;
+``in_context`` the shrink's parameters inside that op, where it shares SMs with the GEMM
+(``in_context_8b`` at the 8B model's batch-32 linears, one GEMM a slice as its projections run);
 ``expand_in_context`` the expands of both families right after the GEMM, at decode shapes;
 ``segmented_expand_in_context`` the segmented expand's parameters there, at the 8B model's
 shapes, each layer's factors read from HBM as a model's are; ``delta_beside`` the whole linear
