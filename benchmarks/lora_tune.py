@@ -8,7 +8,7 @@ launch table (``fxlora/kernels/launch_table.py``) for this device can be chosen 
 measurements. ``switch`` times the whole op as ``lora_linear`` runs it on CUDA with
 either family's expand, to place the token count where one hands over to the other;
 ``in_context`` the shrink's parameters inside that op, where it shares SMs with the GEMM
-(``in_context_8b`` at the 8B model's batch-32 linears, one GEMM a slice as its projections run);
+(``in_context_8b`` at the 8B model's linears, batch 32 and 128, one GEMM a slice as its projections run);
 ``expand_in_context`` the expands of both families right after the GEMM, at decode shapes;
 ``segmented_expand_in_context`` the segmented expand's parameters there, at the 8B model's
 shapes, each layer's factors read from HBM as a model's are; ``delta_beside`` the whole linear
@@ -171,10 +171,14 @@ def _op_parts(tokens, adapters, rank, widths=(4096,), k=4096):
 
 
 def in_context_8b() -> None:
-    """``in_context`` at the 8B model's batch-32 linears (qkv, o, gate/up, down; 16 adapters of
-    rank 16), over a narrower grid: at most 2 warps, 2 stages and 32 rank rows a program."""
-    for widths, k in [((4096, 1024, 1024), 4096), ((4096,), 4096), ((14336, 14336), 4096), ((4096,), 14336)]:
-        in_context_case(32, 16, 16, widths, k, one_gemm=False, warps=(1, 2), stages=(1, 2), rank_rows=(16, 32), rows_last=True)
+    """``in_context`` at the 8B model's linears (qkv, o, gate/up, down; 16 adapters of rank 16)
+    at batch 32 and 128, over a narrower grid: at most 2 stages and 32 rank rows a program, at
+    batch 32 at most 2 warps, and rows last there as the table's decode rows have them."""
+    for tokens, warps in ((32, (1, 2)), (128, (1, 2, 4))):
+        for widths, k in [((4096, 1024, 1024), 4096), ((4096,), 4096), ((14336, 14336), 4096), ((4096,), 14336)]:
+            in_context_case(
+                tokens, 16, 16, widths, k, one_gemm=False, warps=warps, stages=(1, 2), rank_rows=(16, 32), rows_last=tokens <= 64
+            )
 
 
 def in_context_case(
