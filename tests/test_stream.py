@@ -114,6 +114,23 @@ def check_requests(served, data) -> None:
             assert out.finish_reason == ("stop" if eos is not None and ref[-1] == eos else "length")
 
 
+def test_a_cancel_of_an_ended_request_leaves_a_later_one_with_its_id(served):
+    """A cancel asked while the request is in flight but taken in after it ended, its id read
+    and used again by a new request, ends nothing: the new request runs to its length."""
+    _, _, _, requests, _ = served
+    engine, first_done = requests.engine, None
+    engine.add(requests.make([5, 6, 7], "a", 2, request_id="x", eos_token_id=()))
+    while first_done is None:
+        events = engine.step()
+        first_done = next((e for e in events if e.finished and e.seq.request_id == "x"), None)
+    engine.cancel("x")  # still in flight here: its end is not handed on yet
+    engine.forget(events)
+    engine.add(requests.make([8, 9], "b", 4, request_id="x", eos_token_id=()))
+    done = drive(requests, {}, {})
+    assert first_done.seq.output().finish_reason == "length"
+    assert done["x"].finish_reason == "length" and done["x"].generated_tokens == expected(served, [8, 9], "b", 4, None)
+
+
 def test_generate_batch_in_input_order_with_a_bad_input(served):
     model, _, cm, _, _ = served
     prompts = [[5, 6, 7], [], [8, 9, 10, 11], [12] * 40, [13, 14]]

@@ -53,7 +53,7 @@ class Engine:
         self._copies = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
         self.scheduler = Scheduler(runner.cache.allocator, pool, runner.max_rows, max_prefill_tokens)
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
-        self._cancelled: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._cancelled: queue.SimpleQueue[Sequence] = queue.SimpleQueue()  # the requests, not their ids
         self._window: tuple[Pending, list[Sequence], int] | None = None  # the last window: its tokens, rows, steps
         self._first: tuple[Pending, list[Sequence]] | None = None  # the last prefill: first tokens, requests
         self._known: dict[str, Sequence] = {}  # every request added and not yet ended
@@ -83,12 +83,12 @@ class Engine:
         self._inbox.put(seq)
 
     def cancel(self, request_id: str) -> None:
-        """Cancel ``request_id`` at the next turn; an id not in flight is ignored (so that a later
-        request with that id is not cancelled)."""
+        """Cancel ``request_id`` at the next turn; an id not in flight is ignored, and so is a
+        request that has ended by then: a later request with its id is not cancelled."""
         with self._known_lock:
-            if request_id not in self._known:
-                return
-        self._cancelled.put(request_id)
+            seq = self._known.get(request_id)
+        if seq is not None:
+            self._cancelled.put(seq)
 
     def describe(self) -> list[str]:
         """Lines for ``explain()``: the stream's rows, its cache's blocks, its graphs."""
@@ -177,11 +177,14 @@ class Engine:
                 plan.added.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
-        while True:
-            try:
-                plan.cancelled.add(self._cancelled.get_nowait())
-            except queue.Empty:
-                break
+        with self._known_lock:
+            while True:
+                try:
+                    seq = self._cancelled.get_nowait()
+                except queue.Empty:
+                    break
+                if self._known.get(seq.request_id) is seq:
+                    plan.cancelled.add(seq.request_id)
         if self.group is None:
             return plan
         shared = plan.broadcast(self._plan_group)
