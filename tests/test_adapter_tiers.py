@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from peft import LoraConfig
 import fxlora
 from fxlora.adapters import NO_ADAPTER, host_buffers, model_modules, pool, read_adapter
 from fxlora.adapters.slots import Stack
+from fxlora.errors import NoFreeSlot
 from fxlora.testing import make_adapter, peft_model_with, reference_generate, reference_logits, tiny_model
 
 TARGETS = [["q_proj", "v_proj"], ["k_proj", "o_proj", "down_proj"], ["q_proj", "up_proj", "gate_proj"], ["v_proj", "down_proj"]]
@@ -224,6 +226,37 @@ def test_two_calls_waiting_for_one_adapter_place_it_once(model, many):
     for slots, _ in results:
         cm.pool.release(slots)
     assert cm.pool._pins.total() == 0
+
+
+def test_a_call_inside_calls_of_its_own_thread_holding_every_slot_fails_at_once(model, many):
+    """Waiting is for other calls to end: where every slot is read by calls the waiting one runs
+    inside (an enclosing call or block of the same thread), it fails at once, naming them; a
+    slot another thread reads is waited for as before."""
+    torch._dynamo.reset()
+    cm = fxlora.compile(model, adapters={k: many[k] for k in ("ad00", "ad04", "ad08")}, max_loras=2, max_rank=8)
+    p = cm.pool
+    outer, _ = p.acquire(["ad00", "ad04"])
+    start = time.perf_counter()
+    with pytest.raises(NoFreeSlot, match=r"calls this one runs inside .*\['ad00', 'ad04'\]"):
+        p.acquire(["ad08"], timeout=30)
+    assert time.perf_counter() - start < 5 and p._pins == Counter({0: 1, 1: 1})
+    # one slot read by another thread instead: the same call waits for it, and gets it
+    p.release(outer[1:])
+    other = threading.Thread(target=lambda: results.append(p.acquire(["ad04"])))
+    results = []
+    other.start()
+    other.join(timeout=60)
+    (theirs, _), = results
+    waiter = threading.Thread(target=lambda: results.append(p.acquire(["ad08"], timeout=30)))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive()  # waiting: the other thread's call may end
+    p.release(theirs)
+    waiter.join(timeout=60)
+    assert results[-1][0] == theirs
+    p.release(results[-1][0])
+    p.release(outer[:1])
+    assert p._pins.total() == 0 and not p._owned
 
 
 def test_a_call_waiting_for_a_slot_keeps_the_slots_it_pinned_when_their_adapter_is_unloaded(model, many):

@@ -19,7 +19,7 @@ class Slots:
     def __init__(self, count: int):
         self.count, self.slot_of, self.pins = count, {}, {}
 
-    def acquire(self, names, stream=None, timeout=None):
+    def acquire(self, names, stream=None, timeout=None, owner=None):
         (name,) = names
         if name is None:
             return [-1], set()
@@ -33,7 +33,7 @@ class Slots:
         self.pins[slot] = self.pins.get(slot, 0) + 1
         return [slot], {name}
 
-    def release(self, slots):
+    def release(self, slots, owner=None):
         for slot in slots:
             if slot >= 0:
                 self.pins[slot] -= 1

@@ -115,6 +115,7 @@ class AdapterPool:
         self._lock = threading.RLock()
         self._released = threading.Condition(self._lock)
         self._pins: Counter[int] = Counter()  # per slot, the calls in flight reading it
+        self._owned: dict[object, Counter[int]] = {}  # per owner (a thread, the stream's scheduler), its pins
         self._draining: set[int] = set()
         self._fences: dict[int, torch.cuda.Event] = {}  # per slot, the last use on the default stream (CUDA)
         self._group_plans: dict[tuple, tuple] = {}  # see _group_plan
@@ -442,7 +443,11 @@ class AdapterPool:
         log.info("unloaded adapter %r%s", name, f" from slot {slot}" if slot is not None else " (it held no slot)")
 
     def acquire(
-        self, adapter_names: Sequence[str | None], stream: torch.cuda.Stream | None = None, timeout: float | None = 60.0
+        self,
+        adapter_names: Sequence[str | None],
+        stream: torch.cuda.Stream | None = None,
+        timeout: float | None = 60.0,
+        owner: object = None,
     ) -> tuple[list[int], set[str]]:
         """Per-row slot ids for a call, pinned until :meth:`release`, and the modules the named
         adapters change (for the call's coverage check; under ``torch.compile`` some may be
@@ -450,7 +455,11 @@ class AdapterPool:
         paged in: into an empty slot, else the least recently used one no call reads; its copy
         runs on ``stream`` when given (the caller waits for that stream before reading it), else
         in order on the current one. When every slot is read by calls in flight, waits up to
-        ``timeout`` seconds (None: as long as it takes) for one to end."""
+        ``timeout`` seconds (None: as long as it takes) for one to end, and fails at once where
+        every slot is read by calls of ``owner``, which cannot end while it waits. ``owner``: who
+        holds the pins until :meth:`release` (by default the calling thread, which releases
+        them)."""
+        owner = threading.get_ident() if owner is None else owner
         with self._lock:
             names = list(dict.fromkeys(n for n in adapter_names if n is not None))
             for name in names:
@@ -472,39 +481,60 @@ class AdapterPool:
                         self.hits += 1
                         if name in self.host:
                             self.host.move_to_end(name)  # used: the host tier drops it last
-                    elif self._wait_for_slot(name, timeout):  # another call placed it meanwhile
+                    elif self._wait_for_slot(name, timeout, owner):  # another call placed it meanwhile
                         self.hits += 1
                     else:
                         self.misses += 1
                         self._place(name, self._free_slot(), stream)
                     slot = pinned[name] = self.slot_of[name]
                     self._pins[slot] += 1
+                    self._owned.setdefault(owner, Counter())[slot] += 1
                     modules |= self.adapters[name].modules.keys()
                     self._clock += 1
                     self._used[slot] = self._clock
             except BaseException:
-                self.release(pinned.values())
+                self.release(pinned.values(), owner)
                 raise
             return [NO_ADAPTER if name is None else pinned[name] for name in adapter_names], modules
 
-    def _wait_for_slot(self, name: str, timeout: float | None) -> bool:
+    def _wait_for_slot(self, name: str, timeout: float | None, owner: object) -> bool:
         """Wait (under the lock) up to ``timeout`` for a slot ``name`` may take, or for ``name``
-        to be placed by another call (then True)."""
-        ready = lambda: name in self.slot_of or name not in self.adapters or self._free_slot() is not None  # noqa: E731
-        if not self._released.wait_for(ready, timeout):
+        to be placed by another call (then True); fail at once once every slot is read by
+        ``owner``'s calls, which cannot end while it waits."""
+        owned = self._owned.get(owner, Counter())
+        alone = lambda: all(self._pins[s] == owned[s] for s in range(self.max_loras))  # noqa: E731
+        placed = lambda: name in self.slot_of or name not in self.adapters or self._free_slot() is not None  # noqa: E731
+        if not self._released.wait_for(lambda: placed() or alone(), timeout):
             raise NoFreeSlot(
                 f"adapter {name!r}: no GPU slot came free in {timeout} s: all max_loras={self.max_loras} slots are read "
                 "by calls in flight; compile with a larger max_loras= or wait for them"
             )
         if name not in self.adapters:
             raise AdapterError(f"adapter {name!r} was unloaded while a call waited for a slot for it")
+        if not placed():
+            held = sorted(n for n, s in self.slot_of.items() if owned[s])
+            raise NoFreeSlot(
+                f"adapter {name!r}: all max_loras={self.max_loras} GPU slots are read by calls this one runs inside "
+                f"(an enclosing call or fxlora.use_adapters block of the same thread, reading {held}), which cannot "
+                "end while it waits: name every adapter in the enclosing call, or compile with a larger max_loras="
+            )
         return name in self.slot_of
 
-    def release(self, slots: Iterable[int]) -> None:
-        """End a call's pins; a slot unloaded meanwhile is zeroed once nothing reads it."""
+    def release(self, slots: Iterable[int], owner: object = None) -> None:
+        """End a call's pins, ``owner``'s as :meth:`acquire` took them (a pin of a slot that
+        ``owner`` does not hold: another owner's); a slot unloaded meanwhile is zeroed once
+        nothing reads it."""
+        owner = threading.get_ident() if owner is None else owner
         with self._lock:
             for slot in set(slots) - {NO_ADAPTER}:
                 self._pins[slot] -= 1
+                holder = owner if self._owned.get(owner, Counter())[slot] else next(
+                    (o for o, held in self._owned.items() if held[slot] > 0), owner
+                )
+                held = self._owned.setdefault(holder, Counter())
+                held[slot] -= 1
+                if not +held:
+                    del self._owned[holder]
                 self._fence(slot)  # the call's work that reads the slot was issued before this point
                 if not self._pins[slot] and slot in self._draining:
                     self._draining.discard(slot)

@@ -77,7 +77,7 @@ class Scheduler:
                 passed.append(seq)  # (the slot's readers end within their budgets; then it pages in as any other)
                 continue
             try:
-                (seq.slot,), _ = self.pool.acquire([seq.adapter_name], stream=copy_stream, timeout=0)
+                (seq.slot,), _ = self.pool.acquire([seq.adapter_name], stream=copy_stream, timeout=0, owner=self)
             except NoFreeSlot:  # every slot is read by running requests
                 draining = draining or self._soonest_free(admitted)
                 if seq.passes >= ADAPTER_PASSES:
@@ -131,7 +131,7 @@ class Scheduler:
         self.allocator.release(seq.blocks, seq.reserved)
         seq.blocks, seq.reserved = [], 0
         if seq.slot is not None:
-            self.pool.release([seq.slot])
+            self.pool.release([seq.slot], owner=self)  # whichever thread turns the engine
             seq.slot = None
 
     def fail_waiting(self, reason: str, error: str | None = None) -> list[Sequence]:
