@@ -259,6 +259,23 @@ def test_a_call_inside_calls_of_its_own_thread_holding_every_slot_fails_at_once(
     assert p._pins.total() == 0 and not p._owned
 
 
+def test_a_use_adapters_block_inside_one_holding_every_slot_fails_at_once(model, many):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxlora", options={"adapters": {k: many[k] for k in ("ad00", "ad04", "ad08")}, "max_loras": 2})
+    ids = torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    with fxlora.use_adapters(["ad00", "ad04"]):
+        compiled(input_ids=ids)
+        start = time.perf_counter()
+        with pytest.raises(NoFreeSlot, match=r"calls this one runs inside .*\['ad00', 'ad04'\]"):
+            with fxlora.use_adapters(["ad08", None]):
+                compiled(input_ids=ids)
+        assert time.perf_counter() - start < 5
+    with fxlora.use_adapters(["ad08", None]):  # the block's end gave its slots back
+        out = compiled(input_ids=ids).logits
+    peft = peft_model_with(model, {"ad08": many["ad08"]})
+    torch.testing.assert_close(out, reference_logits(model, peft, ["ad08", None], input_ids=ids), rtol=1e-5, atol=1e-5)
+
+
 def test_a_call_waiting_for_a_slot_keeps_the_slots_it_pinned_when_their_adapter_is_unloaded(model, many):
     """A call pins each adapter as it is placed and waits for the next one's slot with the lock
     released: an adapter it pinned that is unloaded (or loaded again) meanwhile stays in its
