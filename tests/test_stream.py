@@ -131,6 +131,23 @@ def test_a_cancel_of_an_ended_request_leaves_a_later_one_with_its_id(served):
     assert done["x"].finish_reason == "length" and done["x"].generated_tokens == expected(served, [8, 9], "b", 4, None)
 
 
+def test_a_prefills_padding_rows_read_no_adapter(served):
+    """One prompt prefills as two rows (Dynamo specialises one): the padding row reads no
+    adapter, so its LoRA is no work, and the prompt's tokens are PEFT's."""
+    _, _, cm, requests, _ = served
+    r, seen = requests.engine.runner, []
+    prefill = r._prefill
+
+    def spy(ids, keep, slots, slot_ids):
+        seen.append(slot_ids.tolist())
+        return prefill(ids, keep, slots, slot_ids)
+
+    with mock.patch.object(r, "_prefill", spy):
+        done = drive(requests, {0: [requests.make([5, 6, 7], "b", 3, request_id="p", eos_token_id=())]}, {})
+    assert seen == [[cm.pool.slot_of["b"], -1]]
+    assert done["p"].generated_tokens == expected(served, [5, 6, 7], "b", 3, None)
+
+
 def test_generate_batch_in_input_order_with_a_bad_input(served):
     model, _, cm, _, _ = served
     prompts = [[5, 6, 7], [], [8, 9, 10, 11], [12] * 40, [13, 14]]

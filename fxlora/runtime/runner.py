@@ -202,8 +202,10 @@ class StreamRunner:
             position = torch.arange(len(prompt))
             slots[i, start:] = torch.tensor(seq_blocks)[position // bs] * bs + position % bs
         variant = "lora" if uses_adapters else "nolora"
-        index = torch.tensor(rows + [rows[0]] * (prefill_rows - n))  # extra rows repeat the first
-        slot_ids = self.slot_ids.index_select(0, _to_device(index, self.device)) if uses_adapters else None
+        slot_ids = None
+        if uses_adapters:  # the padding rows read no adapter: their LoRA would be work for nothing
+            slot_ids = torch.full((prefill_rows,), NO_ADAPTER, dtype=torch.int32, device=self.device)
+            slot_ids[:n] = self.slot_ids.index_select(0, self._index(rows))
         inputs = {"ids": ids, "keep": keep, "slots": slots.view(-1)}
         with tracing_as("prefill"):
             if shape is not None:  # the shape's static inputs, which its graph reads
