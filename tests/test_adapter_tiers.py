@@ -242,8 +242,8 @@ def test_a_call_inside_calls_of_its_own_thread_holding_every_slot_fails_at_once(
     assert time.perf_counter() - start < 5 and p._pins == Counter({0: 1, 1: 1})
     # one slot read by another thread instead: the same call waits for it, and gets it
     p.release(outer[1:])
-    other = threading.Thread(target=lambda: results.append(p.acquire(["ad04"])))
     results = []
+    other = threading.Thread(target=lambda: results.append(p.acquire(["ad04"])))
     other.start()
     other.join(timeout=60)
     (theirs, _), = results

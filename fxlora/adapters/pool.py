@@ -23,7 +23,7 @@ import itertools
 import logging
 import threading
 import traceback
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -115,7 +115,7 @@ class AdapterPool:
         self._lock = threading.RLock()
         self._released = threading.Condition(self._lock)
         self._pins: Counter[int] = Counter()  # per slot, the calls in flight reading it
-        self._owned: dict[object, Counter[int]] = {}  # per owner (a thread, the stream's scheduler), its pins
+        self._owned: defaultdict[object, Counter[int]] = defaultdict(Counter)  # per owner (a thread, the stream's scheduler), its pins
         self._draining: set[int] = set()
         self._fences: dict[int, torch.cuda.Event] = {}  # per slot, the last use on the default stream (CUDA)
         self._group_plans: dict[tuple, tuple] = {}  # see _group_plan
@@ -488,7 +488,7 @@ class AdapterPool:
                         self._place(name, self._free_slot(), stream)
                     slot = pinned[name] = self.slot_of[name]
                     self._pins[slot] += 1
-                    self._owned.setdefault(owner, Counter())[slot] += 1
+                    self._owned[owner][slot] += 1
                     modules |= self.adapters[name].modules.keys()
                     self._clock += 1
                     self._used[slot] = self._clock
@@ -528,13 +528,15 @@ class AdapterPool:
         with self._lock:
             for slot in set(slots) - {NO_ADAPTER}:
                 self._pins[slot] -= 1
-                holder = owner if self._owned.get(owner, Counter())[slot] else next(
-                    (o for o, held in self._owned.items() if held[slot] > 0), owner
-                )
-                held = self._owned.setdefault(holder, Counter())
-                held[slot] -= 1
-                if not +held:
-                    del self._owned[holder]
+                mine = self._owned.get(owner)
+                holder = owner if mine and mine[slot] else next((o for o, held in self._owned.items() if held[slot]), None)
+                if holder is not None:
+                    held = self._owned[holder]
+                    held[slot] -= 1
+                    if not held[slot]:
+                        del held[slot]
+                    if not held:
+                        del self._owned[holder]
                 self._fence(slot)  # the call's work that reads the slot was issued before this point
                 if not self._pins[slot] and slot in self._draining:
                     self._draining.discard(slot)
